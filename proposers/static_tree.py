@@ -1,0 +1,75 @@
+"""Static-shape tree proposer (a test and baseline proposer built on the public API only).
+
+Reads the committed tokens of each request. For every branch it finds the most recent earlier occurrences of the
+last token (prompt lookup) and drafts the continuation after each as a chain; the chains hang off the root in
+order of recency, ``branches`` wide and ``depth`` deep. The shape is fixed, so trees are predictable for tests.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
+
+
+class StaticTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    branches: int = 4
+    depth: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("branches", "depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"static_tree option {name!r} must be >= 1, got {getattr(self, name)}")
+
+
+def lookup_branches(context: np.ndarray, branches: int, depth: int) -> list[np.ndarray]:
+    """Continuations after the most recent earlier occurrences of the last token, newest first, distinct first tokens."""
+    if context.size < 2:
+        return []
+    last = context[-1]
+    hits = np.nonzero(context[:-1] == last)[0][::-1]
+    out: list[np.ndarray] = []
+    seen: set[int] = set()
+    for h in hits:
+        cont = context[h + 1: h + 1 + depth]
+        if cont.size == 0 or int(cont[0]) in seen:
+            continue
+        seen.add(int(cont[0]))
+        out.append(cont)
+        if len(out) == branches:
+            break
+    return out
+
+
+class StaticTreeProposer(TreeProposer):
+    options_type = StaticTreeOptions
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        opts: StaticTreeOptions = self.options
+        trees: list[DraftTree | None] = []
+        for i in range(ctx.num_reqs):
+            if not ctx.needs_draft(i):
+                trees.append(None)
+                continue
+            chains = lookup_branches(ctx.committed(i), opts.branches, opts.depth)
+            tokens, parents = [], []
+            for chain in chains:
+                parent = -1
+                for t in chain.tolist():
+                    parents.append(parent)
+                    parent = len(tokens)
+                    tokens.append(t)
+            trees.append(bfs_order(np.array(tokens, np.int64), np.array(parents, np.int32)) if tokens else None)
+        return trees
+
+
+def bfs_order(tokens: np.ndarray, parents: np.ndarray) -> DraftTree:
+    """Reorder a topological tree breadth-first (stable within a level), so any prefix is a shallow-first subtree."""
+    tree = DraftTree(tokens, parents)
+    depth = tree.depths()
+    order = np.argsort(depth, kind="stable")
+    new_index = np.empty_like(order)
+    new_index[order] = np.arange(order.size)
+    new_parents = np.where(parents[order] < 0, -1, new_index[np.maximum(parents[order], 0)])
+    return DraftTree(tokens[order], new_parents.astype(np.int32))

@@ -1,0 +1,308 @@
+"""Public tree-proposer API of vllm-treespec.
+
+A proposer turns the committed context of each running request into a *draft tree*: token ids in topological order
+(every parent before its children) plus the parent index of each node, where ``-1`` is the root, i.e. the last
+committed token. vLLM's scheduler sees the flattened list as an ordinary chain of drafts; the worker verifies it as a
+tree and commits the longest accepted root-to-leaf path as if it were a chain ("verify as a tree, commit as a chain").
+
+Writing a proposer::
+
+    from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, register_proposer
+
+    @register_proposer("my_tree")
+    class MyTree(TreeProposer):
+        def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+            return [DraftTree.chain(ctx.committed(i)[-3:]) for i in range(ctx.num_reqs)]
+
+Select it with ``{"method": "my_tree"}`` once its module is imported, or by dotted path
+``{"method": "my_pkg.MyTree"}`` (always works), or through the entry-point group ``vllm_treespec.proposers``.
+
+This module imports neither vLLM nor torch at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import msgspec
+    import torch
+
+logger = logging.getLogger("vllm_treespec")
+
+ROOT = -1
+ENTRY_POINT_GROUP = "vllm_treespec.proposers"
+
+
+class DraftTreeError(ValueError):
+    """A draft tree that violates the topological-order contract."""
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A draft tree for one request.
+
+    token_ids: int64 [N], topological order (BFS recommended: any prefix is then a valid subtree, which keeps
+        scheduler truncation safe).
+    parents: int32 [N], ``parents[i] < i``; ``-1`` (ROOT) means the child of the last committed token.
+    node_probs: optional float32 [N], the drafter's probability of each node's token given its parent; used by
+        tree builders (e.g. Graft) to rank and mix sources. Verification is lossless without it.
+    """
+
+    token_ids: np.ndarray
+    parents: np.ndarray
+    node_probs: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        tokens = np.ascontiguousarray(self.token_ids, dtype=np.int64).reshape(-1)
+        parents = np.ascontiguousarray(self.parents, dtype=np.int32).reshape(-1)
+        object.__setattr__(self, "token_ids", tokens)
+        object.__setattr__(self, "parents", parents)
+        if tokens.shape != parents.shape:
+            raise DraftTreeError(f"token_ids has {tokens.size} nodes but parents has {parents.size}")
+        if parents.size and (parents[0] != ROOT or np.any(parents >= np.arange(parents.size)) or np.any(parents < ROOT)):
+            raise DraftTreeError(
+                "parents must satisfy -1 <= parents[i] < i (topological order, first node a child of the root); "
+                f"got {parents.tolist()}")
+        if tokens.size and tokens.min() < 0:
+            raise DraftTreeError("token_ids must be non-negative")
+        if self.node_probs is not None:
+            probs = np.ascontiguousarray(self.node_probs, dtype=np.float32).reshape(-1)
+            if probs.shape != tokens.shape:
+                raise DraftTreeError(f"node_probs has {probs.size} entries for {tokens.size} nodes")
+            object.__setattr__(self, "node_probs", probs)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.size)
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    @classmethod
+    def chain(cls, token_ids: Sequence[int] | np.ndarray) -> DraftTree:
+        n = len(token_ids)
+        return cls(np.asarray(token_ids, dtype=np.int64), np.arange(-1, n - 1, dtype=np.int32))
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32))
+
+    def depths(self) -> np.ndarray:
+        """Depth of each node, 1 for children of the root."""
+        d = np.zeros(self.num_nodes, np.int32)
+        for i, p in enumerate(self.parents.tolist()):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
+
+    def truncate(self, n: int) -> DraftTree:
+        """The first ``n`` nodes; a valid subtree because of topological order."""
+        probs = None if self.node_probs is None else self.node_probs[:n]
+        return DraftTree(self.token_ids[:n], self.parents[:n], probs)
+
+    def is_chain(self) -> bool:
+        return bool(np.array_equal(self.parents, np.arange(-1, self.num_nodes - 1)))
+
+    def first_child_chain(self) -> DraftTree:
+        """The path that always follows the first child: the chain a tree degrades to when a request can't use trees."""
+        path: list[int] = []
+        current = ROOT
+        parents = self.parents.tolist()
+        for i, p in enumerate(parents):
+            if p == current:
+                path.append(i)
+                current = i
+        return DraftTree.chain(self.token_ids[path]) if path else DraftTree.empty()
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node`` (inclusive)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+
+@dataclass
+class ProposeContext:
+    """What a proposer sees at one step. Row ``i`` of every array belongs to ``req_ids[i]``.
+
+    sampled_token_ids: tokens committed by this step (accepted drafts + bonus) per row; ``[]`` for a partial
+        prefill, for which no draft is needed (return None).
+    num_tokens: committed length per row (prompt + output so far, this step's tokens included).
+    token_ids: [max_reqs, max_model_len] committed tokens; only ``token_ids[i, :num_tokens[i]]`` is valid. Read only.
+    max_nodes: the verify budget (``num_speculative_tokens``); longer trees are truncated to it.
+    hidden_states / aux_hidden_states: the target's hidden states of this step's *committed* rows (chainized), when
+        the proposer sets ``needs_hidden_states``; ``hidden_row_index[i]`` is the row of request i's last committed
+        token in them.
+    kv_cache: read-only view of the target's KV cache, when the proposer sets ``needs_kv_cache``.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    num_tokens: np.ndarray
+    token_ids: np.ndarray
+    max_nodes: int
+    hidden_states: torch.Tensor | None = None
+    aux_hidden_states: list[torch.Tensor] | None = None
+    hidden_row_index: np.ndarray | None = None
+    kv_cache: Any = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def committed(self, i: int) -> np.ndarray:
+        return self.token_ids[i, : int(self.num_tokens[i])]
+
+    def needs_draft(self, i: int) -> bool:
+        return len(self.sampled_token_ids[i]) > 0
+
+
+@dataclass
+class VerificationResult:
+    """Outcome of verifying one request's tree.
+
+    accepted_nodes: indices into the tree of the accepted path, root's child first (empty if nothing accepted).
+    bonus_token: the token the target sampled after the accepted path.
+    target_logits: [N+1, V] logits of the target at the root (row 0) and at every node (row 1+i), before
+        sampling constraints. Valid only during the ``on_verified`` call; copy what you keep.
+    """
+
+    req_id: str
+    tree: DraftTree
+    accepted_nodes: list[int]
+    bonus_token: int
+    target_logits: torch.Tensor | None = None
+
+    @property
+    def accepted_tokens(self) -> list[int]:
+        return [int(self.tree.token_ids[n]) for n in self.accepted_nodes]
+
+
+class TreeProposer:
+    """Base class of tree proposers. Subclasses implement :meth:`propose_trees`.
+
+    The worker builds one instance per process with ``cls(vllm_config)``; typed options for the method arrive as
+    ``self.options`` (an instance of ``options_type``, from ``--speculative-config`` keys that are not vLLM's).
+    """
+
+    #: msgspec Struct type of this proposer's options; None = no options.
+    options_type: ClassVar[type[msgspec.Struct] | None] = None
+    #: ask the runner for the target's hidden states (and aux layers) in the context.
+    needs_hidden_states: ClassVar[bool] = False
+    #: target layers whose hidden states the proposer wants as aux_hidden_states (EAGLE-3 style); () = none.
+    aux_hidden_state_layers: ClassVar[tuple[int, ...]] = ()
+    #: ask for a read-only view of the target's KV cache in the context.
+    needs_kv_cache: ClassVar[bool] = False
+    #: hand target logits to on_verified (costs a copy-free view; set False if unused).
+    wants_target_logits: ClassVar[bool] = False
+
+    def __init__(self, vllm_config: Any = None, options: Any = None) -> None:
+        self.vllm_config = vllm_config
+        spec = getattr(vllm_config, "speculative_config", None)
+        self.max_nodes = int(getattr(spec, "num_speculative_tokens", 0) or 0)
+        if options is None:
+            from vllm_treespec.config import options_from_vllm_config
+
+            options = options_from_vllm_config(vllm_config, self.options_type)
+        self.options = options
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    def load_model(self, model: Any) -> None:
+        """Called with the target model once it is loaded (vLLM's CPU runner calls it unconditionally)."""
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        raise NotImplementedError
+
+    def on_verified(self, results: list[VerificationResult]) -> None:
+        """Called after each verify step with the outcome of every tree row."""
+
+    def on_requests_finished(self, req_ids: set[str]) -> None:
+        """Requests that finished, were aborted or preempted; drop their state."""
+
+    # --- vLLM custom_class contract ---------------------------------------------------------------------------
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_: Any):
+        """vLLM's ``custom_class`` entry. Used only when tree verification is not active: trees degrade to the
+        chain that follows the first child, which stock vLLM verifies exactly."""
+        n = len(sampled_token_ids)
+        ctx = ProposeContext(req_ids=[str(i) for i in range(n)], sampled_token_ids=sampled_token_ids,
+                             num_tokens=num_tokens_no_spec, token_ids=token_ids_cpu, max_nodes=self.max_nodes)
+        trees = self.propose_trees(ctx)
+        return [[] if t is None or not ctx.needs_draft(i) else t.first_child_chain().token_ids[: self.max_nodes].tolist()
+                for i, t in enumerate(trees)]
+
+
+# --- registry ------------------------------------------------------------------------------------------------
+_REGISTRY: dict[str, str | type[TreeProposer]] = {}
+
+
+def register_proposer(name: str, cls: type[TreeProposer] | str | None = None):
+    """Register a proposer under ``name``. Use as a decorator or call with a class or a dotted class path."""
+
+    def _register(c):
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not c and _qualname(existing) != _qualname(c):
+            raise ValueError(f"proposer name {name!r} is already registered to {_qualname(existing)}")
+        _REGISTRY[name] = c
+        return c
+
+    return _register(cls) if cls is not None else _register
+
+
+def _qualname(c: str | type) -> str:
+    return c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}"
+
+
+def registered_proposers() -> dict[str, str]:
+    """Every known proposer name (registered or by entry point) → dotted class path."""
+    from importlib.metadata import entry_points
+
+    names = {n: _qualname(c) for n, c in _REGISTRY.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        names.setdefault(ep.name, ep.value.replace(":", "."))
+    return names
+
+
+def is_dotted_path(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and all(p.isidentifier() for p in parts)
+
+
+def proposer_class_path(name: str) -> str:
+    """Resolve a method name or dotted path to a dotted class path (without importing the proposer)."""
+    known = registered_proposers()
+    if name in known:
+        return known[name]
+    if is_dotted_path(name):
+        return name
+    raise KeyError(name)
+
+
+def load_proposer_class(path_or_name: str) -> type[TreeProposer]:
+    path = proposer_class_path(path_or_name)
+    module_name, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"cannot import proposer class {path!r}: {e}") from e
+    if not isinstance(cls, type):
+        raise TypeError(f"{path!r} is not a class")
+    return cls
+
+
+# Built-in methods, by dotted path so that naming one does not import the others.
+BUILTIN_PROPOSERS = {
+    "static_tree": "vllm_treespec.proposers.static_tree.StaticTreeProposer",
+    "oracle_tree": "vllm_treespec.proposers.oracle.OracleTreeProposer",
+    "ngram_tree": "vllm_treespec.proposers.ngram_tree.NgramTreeProposer",
+    "suffix_tree": "vllm_treespec.proposers.suffix_tree.SuffixTreeProposer",
+    "graft": "vllm_treespec.proposers.graft.GraftProposer",
+}
+for _name, _path in BUILTIN_PROPOSERS.items():
+    register_proposer(_name, _path)

@@ -1,0 +1,12 @@
+"""Tree-aware attention backends, installed through vLLM's ``register_backend``."""
+
+from __future__ import annotations
+
+
+def register_backends() -> None:
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        # The CPU platform ignores the selected backend, so the override has to replace CPU_ATTN itself.
+        register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_treespec.attn.cpu.TreeCPUAttentionBackend")

@@ -1,0 +1,23 @@
+"""Patch of ``vllm.engine.arg_utils.EngineArgs`` (process 0): accept our method names in ``speculative_config``."""
+
+from __future__ import annotations
+
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_treespec.patches import is_patched, wrap_method
+
+
+def apply() -> None:
+    if is_patched(EngineArgs, "create_speculative_config"):
+        return
+
+    @wrap_method(EngineArgs, "create_speculative_config",
+                 ("self", "target_model_config", "target_parallel_config"))
+    def create_speculative_config(original, self, target_model_config, target_parallel_config):
+        from vllm_treespec import config, plugin
+
+        spec, extra, is_tree = config.translate(self.speculative_config, self.additional_config)
+        if is_tree:
+            self.speculative_config, self.additional_config = spec, extra
+            plugin.activate_tree_mode()
+        return original(self, target_model_config, target_parallel_config)

@@ -1,0 +1,63 @@
+"""Patches of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (inherited by ``CPUModelRunner``).
+
+Each wrapper is a pass-through unless the runner's drafter is a TreeProposer; the tree logic itself lives in
+:mod:`vllm_treespec.verify`.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_treespec.patches import is_patched, wrap_method
+
+
+def _verifier(runner):
+    return getattr(runner, "_treespec_verifier", None)
+
+
+def apply() -> None:
+    if is_patched(GPUModelRunner, "__init__"):
+        return
+
+    @wrap_method(GPUModelRunner, "__init__", ("self", "vllm_config", "device"))
+    def __init__(original, self, vllm_config, device):
+        original(self, vllm_config, device)
+        from vllm_treespec.api import TreeProposer
+        from vllm_treespec.verify import TreeVerifier
+
+        drafter = getattr(self, "drafter", None)
+        self._treespec_verifier = TreeVerifier(self, drafter) if isinstance(drafter, TreeProposer) else None
+
+    @wrap_method(GPUModelRunner, "propose_draft_token_ids",
+                 ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                  "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
+                  "slot_mappings"))
+    def propose_draft_token_ids(original, self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        verifier = _verifier(self)
+        if verifier is None or not isinstance(sampled_token_ids, list):
+            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        return verifier.propose(sampled_token_ids)
+
+    @wrap_method(GPUModelRunner, "_prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"))
+    def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        verifier = _verifier(self)
+        if verifier is not None:
+            verifier.attach(scheduler_output, num_scheduled_tokens)
+        return result
+
+    @wrap_method(GPUModelRunner, "_sample", ("self", "logits", "spec_decode_metadata"))
+    def _sample(original, self, logits, spec_decode_metadata):
+        verifier = _verifier(self)
+        if verifier is None:
+            return original(self, logits, spec_decode_metadata)
+        return verifier.sample(lambda lg, md: original(self, lg, md), logits, spec_decode_metadata)
+
+    @wrap_method(GPUModelRunner, "_update_states", ("self", "scheduler_output"))
+    def _update_states(original, self, scheduler_output):
+        verifier = _verifier(self)
+        if verifier is not None:
+            verifier.finished(scheduler_output.finished_req_ids)
+        return original(self, scheduler_output)

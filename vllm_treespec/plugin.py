@@ -1,0 +1,72 @@
+"""The ``vllm.general_plugins`` entry point. vLLM calls :func:`register` once in every process it starts.
+
+It gates on the vLLM version (unsupported → one log line, nothing registered, vLLM keeps working), installs the
+process-0 config translation, and — only in processes that serve a tree method — the worker patches and the
+tree-aware attention backend. Processes that never use a tree method pay for one version check and one import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from vllm_treespec.config import TREE_MODE_ENV
+
+logger = logging.getLogger("vllm_treespec")
+
+SUPPORTED_VLLM_PREFIXES = ("0.32.",)
+SKIP_VERSION_CHECK_ENV = "VLLM_TREESPEC_SKIP_VERSION_CHECK"
+# Testing knob: pretend the installed vLLM has this version (exercises the version gate).
+ASSUME_VERSION_ENV = "VLLM_TREESPEC_ASSUME_VLLM_VERSION"
+
+_state = {"registered": False, "enabled": False, "tree_mode": False}
+
+
+def vllm_version() -> str:
+    assumed = os.environ.get(ASSUME_VERSION_ENV)
+    if assumed:
+        return assumed
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def version_supported(version: str) -> bool:
+    return version.startswith(SUPPORTED_VLLM_PREFIXES) or os.environ.get(SKIP_VERSION_CHECK_ENV) == "1"
+
+
+def register() -> None:
+    """Entry point; idempotent."""
+    if _state["registered"]:
+        return
+    _state["registered"] = True
+    version = vllm_version()
+    if not version_supported(version):
+        logger.warning("vllm_treespec is disabled: vLLM %s is not supported (supported: %s); vLLM runs without it. "
+                       "Install a supported vLLM or set %s=1 to try anyway.",
+                       version, ", ".join(p + "x" for p in SUPPORTED_VLLM_PREFIXES), SKIP_VERSION_CHECK_ENV)
+        return
+    from vllm_treespec.patches import engine_args
+
+    engine_args.apply()
+    _state["enabled"] = True
+    if os.environ.get(TREE_MODE_ENV) == "1":
+        activate_tree_mode()
+
+
+def activate_tree_mode() -> None:
+    """Install worker patches and the tree attention backend in this process (and, through the environment,
+    in the engine and worker processes vLLM starts after this)."""
+    os.environ[TREE_MODE_ENV] = "1"
+    if _state["tree_mode"]:
+        return
+    _state["tree_mode"] = True
+    from vllm_treespec.attn import register_backends
+    from vllm_treespec.patches import model_runner
+
+    register_backends()
+    model_runner.apply()
+
+
+def is_enabled() -> bool:
+    return _state["enabled"]

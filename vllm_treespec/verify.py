@@ -1,0 +1,323 @@
+"""Worker-side tree verification: "verify as a tree, commit as a chain".
+
+One :class:`TreeVerifier` lives on each model runner whose drafter is a :class:`~vllm_treespec.api.TreeProposer`.
+Per step it
+1. asks the proposer for trees and hands vLLM the flattened node lists (the scheduler sees ordinary drafts);
+2. when those drafts come back scheduled, re-attaches the topology (only if the scheduled tokens are a prefix of
+   the registered tree: truncation and placeholder drafts fall back to chains), rewrites the nodes' RoPE positions to
+   ``context + depth`` and publishes the tree batch to the attention backend;
+3. after the forward, accepts the longest valid path (greedy or lossless sampling), returns it in vLLM's chain form,
+   and moves the accepted nodes' K/V to the chain slots, so that everything downstream sees a chain step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
+from vllm_treespec.attn import layout, plan
+from vllm_treespec.sampling import sample_accept
+from vllm_treespec.tree import TreeBatch, greedy_accept
+
+logger = logging.getLogger("vllm_treespec")
+
+
+class StepTimer:
+    """Accumulates the verifier's own host time per phase (for the overhead benchmark)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+def tree_unsupported_reason(sampling_params: Any) -> str | None:
+    """Why a request must run as a chain (its sampling reads draft-order context or draft logprobs), else None."""
+    sp = sampling_params
+    if sp is None:
+        return "not a generation request"
+    checks = (
+        (sp.logprobs is not None, "logprobs"),
+        (sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1, "penalties"),
+        (bool(sp.bad_words), "bad_words"),
+        (sp.min_tokens > 0, "min_tokens"),
+        (sp.min_p > 0, "min_p"),
+        (bool(sp.logit_bias), "logit_bias"),
+        (sp.allowed_token_ids is not None, "allowed_token_ids"),
+        (sp.seed is not None, "per-request seed"),
+        (sp.structured_outputs is not None, "structured output"),
+    )
+    for failed, name in checks:
+        if failed:
+            return name
+    return None
+
+
+class TreeVerifier:
+    def __init__(self, runner: Any, proposer: TreeProposer) -> None:
+        self.runner = runner
+        self.proposer = proposer
+        self.max_nodes = int(runner.speculative_config.num_speculative_tokens)
+        self.pending: dict[str, DraftTree] = {}
+        self.batch: TreeBatch | None = None
+        self.enabled: bool | None = None  # decided lazily, once the model and KV cache exist
+        self.timer = StepTimer()
+        self._layers: list[Any] | None = None
+
+    # --- support -----------------------------------------------------------------------------------------------
+    def _decide_support(self) -> bool:
+        reason = self._unsupported_model_reason()
+        if reason:
+            logger.warning("vllm_treespec: tree verification is off for this model (%s); proposals run as chains.",
+                           reason)
+        return reason is None
+
+    def _unsupported_model_reason(self) -> str | None:
+        runner = self.runner
+        if getattr(runner, "uses_mrope", False):
+            return "M-RoPE positions"
+        if runner.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            return "pipeline parallelism"
+        if not runner.vllm_config.model_config.is_attention_free and self._attention_layers() == []:
+            return "no attention layers found"
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        kv_config = getattr(runner, "kv_cache_config", None)
+        if kv_config is not None:
+            for group in kv_config.kv_cache_groups:
+                spec = group.kv_cache_spec
+                if type(spec) is not FullAttentionSpec:
+                    return f"{type(spec).__name__} layers (sliding window / hybrid models)"
+        for layer in self._attention_layers():
+            impl = layer.impl
+            if getattr(impl, "sliding_window", -1) not in (-1, None):
+                return "sliding-window attention"
+            if getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None:
+                return "ALiBi / attention sinks"
+            if getattr(impl, "logits_soft_cap", 0):
+                return "logit soft-capping"
+            if getattr(impl, "kv_cache_dtype", "auto") != "auto":
+                return f"kv_cache_dtype={impl.kv_cache_dtype}"
+            from vllm_treespec.attn.cpu import TreeCPUAttentionImpl
+
+            if not isinstance(impl, TreeCPUAttentionImpl):
+                return f"attention backend {type(impl).__name__} has no tree path"
+        layer = self._attention_layers()[0]
+        kv = layer.kv_cache
+        if not layout.self_check(layer.isa, kv.dtype, kv.shape[2], kv.shape[3] // 2, kv.shape[1]):
+            return f"the KV cache layout of ISA {layer.isa!r} failed the read-back self-check"
+        return None
+
+    def _attention_layers(self) -> list[Any]:
+        if self._layers is None:
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention import Attention
+
+            layers = get_layers_from_vllm_config(self.runner.vllm_config, Attention)
+            self._layers = [layer for layer in layers.values() if layer.kv_cache is not None and layer.kv_cache.numel()]
+        return self._layers
+
+    # --- hook: propose ---------------------------------------------------------------------------------------
+    def propose(self, sampled_token_ids: list[list[int]], hidden_states=None, aux_hidden_states=None
+                ) -> list[list[int]]:
+        if self.enabled is None:
+            self.enabled = self._decide_support()
+        batch = self.runner.input_batch
+        num_reqs = len(sampled_token_ids)
+        req_ids = list(batch.req_ids[:num_reqs])
+        ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
+                             num_tokens=batch.num_tokens_no_spec, token_ids=batch.token_ids_cpu,
+                             max_nodes=self.max_nodes)
+        trees = self.proposer.propose_trees(ctx)
+        if len(trees) != num_reqs:
+            raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
+                               f"for {num_reqs} requests")
+        drafts: list[list[int]] = []
+        pending: dict[str, DraftTree] = {}
+        for i, (req_id, tree) in enumerate(zip(req_ids, trees)):
+            if tree is None or tree.num_nodes == 0 or not ctx.needs_draft(i):
+                drafts.append([])
+                continue
+            tree = tree.truncate(self.max_nodes)
+            if not tree.is_chain():
+                if self.enabled and self._request_can_use_tree(req_id):
+                    pending[req_id] = tree
+                else:
+                    tree = tree.first_child_chain()
+            drafts.append(tree.token_ids.tolist())
+        self.pending = pending
+        return drafts
+
+    def _request_can_use_tree(self, req_id: str) -> bool:
+        state = self.runner.requests.get(req_id)
+        return state is not None and tree_unsupported_reason(state.sampling_params) is None
+
+    # --- hook: after _prepare_inputs -------------------------------------------------------------------------
+    def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        started = time.perf_counter()
+        pending, self.pending = self.pending, {}
+        self.batch = None
+        plan.publish(None)
+        if not pending:
+            return
+        input_batch = self.runner.input_batch
+        found = []
+        for req_id, spec_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
+            tree = pending.get(req_id)
+            n = len(spec_tokens)
+            if tree is None or n == 0 or n > tree.num_nodes:
+                continue
+            if not np.array_equal(tree.token_ids[:n], np.asarray(spec_tokens, dtype=np.int64)):
+                continue
+            tree = tree.truncate(n)
+            if tree.is_chain():
+                continue
+            row = input_batch.req_id_to_index[req_id]
+            if int(num_scheduled_tokens[row]) != n + 1:
+                continue
+            found.append((row, req_id, tree))
+        if not found:
+            return
+        found.sort(key=lambda x: x[0])
+        rows = np.array([f[0] for f in found], np.int64)
+        query_start = self.runner.query_start_loc.np[rows]
+        context_len = input_batch.num_computed_tokens_cpu[rows]
+        batch = TreeBatch.build(rows, [f[1] for f in found], [f[2] for f in found], query_start, context_len)
+        # Slots stay linear (already computed); only RoPE positions follow depth.
+        self.runner.positions[torch.from_numpy(batch.node_token_index())] = torch.from_numpy(batch.node_positions())
+        self.batch = batch
+        plan.publish(batch)
+        self.timer.add("attach", time.perf_counter() - started)
+
+    # --- hook: around _sample -----------------------------------------------------------------------------------
+    def sample(self, original, logits: torch.Tensor, spec_decode_metadata: Any):
+        batch, self.batch = self.batch, None
+        plan.publish(None)
+        if batch is None or spec_decode_metadata is None:
+            return original(logits, spec_decode_metadata)
+        started = time.perf_counter()
+        num_sampled = np.asarray(spec_decode_metadata.num_draft_tokens, np.int64) + 1
+        row_start = np.cumsum(num_sampled) - num_sampled  # first logits row of each batch row
+        widths = np.diff(batch.node_offsets) + 1
+        tree_rows_start = row_start[batch.rows]
+        logits_index = torch.from_numpy(np.repeat(tree_rows_start, widths)
+                                        + (np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)))
+        tree_logits = logits.index_select(0, logits_index).to(torch.float32)  # copy: the sampler may write in place
+        row_offsets = np.cumsum(widths) - widths
+        self.timer.add("accept", time.perf_counter() - started)
+
+        output = original(logits, spec_decode_metadata)
+
+        started = time.perf_counter()
+        greedy = self._greedy_mask(batch)
+        max_len = output.sampled_token_ids.shape[1] - 1
+        out_tokens, out_nodes, out_len = greedy_accept(
+            batch.tokens, batch.parents, batch.depth, batch.node_offsets, row_offsets,
+            tree_logits.argmax(dim=-1).numpy(), max_len)
+        if not greedy.all():
+            self._sample_random(batch, ~greedy, tree_logits, row_offsets, out_tokens, out_nodes, out_len)
+        sampled = output.sampled_token_ids
+        sampled[torch.from_numpy(batch.rows)] = torch.from_numpy(out_tokens).to(sampled.dtype)
+        self.timer.add("accept", time.perf_counter() - started)
+
+        started = time.perf_counter()
+        self._compact(batch, out_nodes, out_len)
+        self.timer.add("compact", time.perf_counter() - started)
+        self.timer.steps += 1
+
+        self._notify(batch, out_tokens, out_nodes, out_len, tree_logits, row_offsets, widths)
+        return output
+
+    def _greedy_mask(self, batch: TreeBatch) -> np.ndarray:
+        from vllm.sampling_params import SamplingType
+
+        requests = self.runner.requests
+        return np.array([requests[r].sampling_params.sampling_type == SamplingType.GREEDY for r in batch.req_ids])
+
+    def _sample_random(self, batch: TreeBatch, random_mask: np.ndarray, tree_logits: torch.Tensor,
+                       row_offsets: np.ndarray, out_tokens, out_nodes, out_len) -> None:
+        from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+        sampling_metadata = self.runner.input_batch.sampling_metadata
+        num_batch_rows = self.runner.input_batch.num_reqs
+        picked = np.nonzero(random_mask)[0]
+        widths = np.diff(batch.node_offsets) + 1
+        counts = np.zeros(num_batch_rows, np.int64)
+        counts[batch.rows[picked]] = widths[picked]
+        index = np.concatenate([np.arange(row_offsets[r], row_offsets[r] + widths[r]) for r in picked])
+        # vLLM's own temperature / top-k / top-p, applied to the tree rows of the sampled requests (batch-row order).
+        processed = apply_sampling_constraints(tree_logits[torch.from_numpy(index)].clone(),
+                                               torch.from_numpy(np.cumsum(counts)).to(torch.int32), sampling_metadata)
+        probs = processed.softmax(dim=-1)
+        offset = 0
+        for r in picked:
+            start, end = batch.node_offsets[r], batch.node_offsets[r + 1]
+            path, token = sample_accept(batch.tokens[start:end], batch.parents[start:end],
+                                        probs[offset: offset + widths[r]])
+            offset += widths[r]
+            out_tokens[r, :] = -1
+            out_nodes[r, :] = -1
+            out_tokens[r, : len(path)] = batch.tokens[start + np.asarray(path, np.int64)] if path else []
+            out_tokens[r, len(path)] = token
+            out_nodes[r, : len(path)] = path
+            out_len[r] = len(path)
+
+    # --- KV compaction --------------------------------------------------------------------------------------------
+    def _compact(self, batch: TreeBatch, out_nodes: np.ndarray, out_len: np.ndarray) -> None:
+        """Move accepted nodes' K/V from their linear slots (context + 1 + node) to chain slots (context + 1 + k)."""
+        src_pos, dst_pos, rows = [], [], []
+        for r in range(batch.num_reqs):
+            a = int(out_len[r])
+            if a == 0:
+                continue
+            nodes = out_nodes[r, :a]
+            k = np.arange(a)
+            moved = nodes != k
+            if not moved.any():
+                continue
+            base = int(batch.context_len[r]) + 1
+            src_pos.append(base + nodes[moved])
+            dst_pos.append(base + k[moved])
+            rows.append(np.full(int(moved.sum()), batch.rows[r]))
+        if not src_pos:
+            return
+        rows_np = np.concatenate(rows)
+        src = self._slots(rows_np, np.concatenate(src_pos))
+        dst = self._slots(rows_np, np.concatenate(dst_pos))
+        for layer in self._attention_layers():
+            key, value = layout.read_slots(layer.kv_cache, src)  # gather all first, then scatter
+            layout.write_slots(layer.kv_cache, dst, key, value, layer.isa,
+                               layer._k_scale_float, layer._v_scale_float, layer.impl.kv_cache_dtype)
+
+    def _slots(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        block_table = self.runner.input_batch.block_table[0]
+        block_size = block_table.block_size
+        blocks = block_table.block_table.np[rows, positions // block_size]
+        return torch.from_numpy(blocks.astype(np.int64) * block_size + positions % block_size)
+
+    # --- results to the proposer -------------------------------------------------------------------------------
+    def _notify(self, batch, out_tokens, out_nodes, out_len, tree_logits, row_offsets, widths) -> None:
+        if type(self.proposer).on_verified is TreeProposer.on_verified:
+            return
+        want_logits = self.proposer.wants_target_logits
+        results = []
+        for r in range(batch.num_reqs):
+            a = int(out_len[r])
+            logits_rows = tree_logits[row_offsets[r]: row_offsets[r] + widths[r]] if want_logits else None
+            results.append(VerificationResult(batch.req_ids[r], batch.trees[r], out_nodes[r, :a].tolist(),
+                                              int(out_tokens[r, a]), logits_rows))
+        self.proposer.on_verified(results)
+
+    # --- hook: finished requests --------------------------------------------------------------------------------
+    def finished(self, req_ids: set[str]) -> None:
+        if req_ids:
+            for req_id in req_ids:
+                self.pending.pop(req_id, None)
+            self.proposer.on_requests_finished(set(req_ids))
