@@ -78,11 +78,13 @@ def _read_marker(folder: Path) -> dict | None:
         return None
 
 
-def is_ready(folder: Path, kind: str) -> bool:
+def is_ready(folder: Path, kind: str, recipe: dict | None = None) -> bool:
     """True if ``folder`` is a complete build of ``kind`` by this format version (every recorded file present with
-    its recorded size)."""
+    its recorded size) and, if given, from the same ``recipe`` (the build's parameters, as JSON)."""
     marker = _read_marker(folder)
     if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION or marker.get("kind") != kind:
+        return False
+    if recipe is not None and marker.get("recipe") != json.loads(json.dumps(recipe)):
         return False
     files = marker.get("files")
     if not isinstance(files, dict) or not files:
@@ -96,19 +98,20 @@ def is_ready(folder: Path, kind: str) -> bool:
     return True
 
 
-def _build_atomically(final: Path, kind: str, build: Callable[[Path], dict], force: bool) -> Path:
-    """Return ``final`` once it holds a ready build of ``kind``; build it with ``build(tmp_dir)`` if needed.
+def _build_atomically(final: Path, kind: str, recipe: dict, build: Callable[[Path], dict], force: bool) -> Path:
+    """Return ``final`` once it holds a ready build of ``kind`` from ``recipe``; build it with ``build(tmp_dir)`` if
+    needed (missing, partial, another format version or recipe, or ``force``).
 
     ``build`` fills an empty temporary folder next to ``final`` and returns extra marker fields. The marker is written
     last, then the folder is renamed into place (an old or partial ``final`` is moved aside first and deleted).
     Concurrent callers are serialised by a lock file, and the second one finds the work done.
     """
-    if not force and is_ready(final, kind):
+    if not force and is_ready(final, kind, recipe):
         return final
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     with file_lock(parent / f".{final.name}.lock"):
-        if not force and is_ready(final, kind):
+        if not force and is_ready(final, kind, recipe):
             return final
         # Leftovers of a killed build; nobody else builds this folder while we hold the lock.
         for stale in list(parent.glob(f".{final.name}.tmp-*")) + list(parent.glob(f".{final.name}.old-*")):
@@ -117,7 +120,7 @@ def _build_atomically(final: Path, kind: str, build: Callable[[Path], dict], for
         try:
             extra = build(tmp)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            marker = {"format_version": FORMAT_VERSION, "kind": kind, "files": files, **extra}
+            marker = {"format_version": FORMAT_VERSION, "kind": kind, "recipe": recipe, "files": files, **extra}
             (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
             # mkdtemp (and safetensors) create owner-only entries; a cache is meant to be readable by all.
             tmp.chmod(0o755)
@@ -229,7 +232,7 @@ def _build_smollm2(out: Path) -> dict:
     _patch_for_transformers_4(out, rope_theta=SMOLLM2_ROPE_THETA, dtype="bfloat16")
     _save_tokenizer(tok, out, model_max_length=SMOLLM2_MAX_LEN)
     _log(f"converted in {time.perf_counter() - t0:.1f} s")
-    return {"source": f"{SMOLLM2_WHEEL}:{SMOLLM2_GGUF}", "transformers": transformers.__version__}
+    return {"transformers": transformers.__version__}
 
 
 def ensure_smollm2(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
@@ -239,7 +242,8 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None, force: bool = Fal
     GGUF (~20-60 s on 2 cores); later calls only check the marker. ``force`` rebuilds.
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return _build_atomically(cache / SMOLLM2_DIR, "smollm2", _build_smollm2, force)
+    recipe = {"wheel": SMOLLM2_WHEEL, "gguf": SMOLLM2_GGUF, "dtype": "bfloat16"}
+    return _build_atomically(cache / SMOLLM2_DIR, "smollm2", recipe, _build_smollm2, force)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -282,14 +286,15 @@ def _build_tiny_llama(out: Path) -> dict:
     model.save_pretrained(out)
     _patch_for_transformers_4(out, rope_theta=SMOLLM2_ROPE_THETA, dtype="float32")
     _save_tokenizer(tok, out, model_max_length=TINY_LLAMA_ARCH["max_position_embeddings"])
-    return {"seed": TINY_LLAMA_SEED, "transformers": transformers.__version__}
+    return {"transformers": transformers.__version__}
 
 
 def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
     """The tiny random Llama folder (``<cache>/tiny-llama``): :func:`build_tiny_llama` with the fixed seed, saved in
     float32 with the SmolLM2 tokenizer (taken from the same GGUF; no model conversion needed). A few seconds once."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return _build_atomically(cache / TINY_LLAMA_DIR, "tiny-llama", _build_tiny_llama, force)
+    recipe = {"seed": TINY_LLAMA_SEED, "arch": TINY_LLAMA_ARCH, "tokenizer": f"{SMOLLM2_WHEEL}:{SMOLLM2_GGUF}"}
+    return _build_atomically(cache / TINY_LLAMA_DIR, "tiny-llama", recipe, _build_tiny_llama, force)
 
 
 # ----------------------------------------------------------------------------------------------------------------
