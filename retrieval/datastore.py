@@ -1,0 +1,311 @@
+"""Corpus datastore: a compact suffix automaton over a tokenised corpus, in one memory-mappable file.
+
+File layout (format version 1, all integers little-endian):
+
+====================  =================================================================================
+bytes 0..7            magic ``b"VTSPECDS"``
+bytes 8..15           uint64 ``H``, length of the header
+bytes 16..16+H        msgpack-encoded :class:`DatastoreHeader` (msgspec)
+64-byte aligned       raw C-order arrays, at the offsets the header lists: ``states`` int32 [S, 5],
+                      ``edges`` int32 [E, 3], ``tokens`` int32 [N] (documents joined by SEP = -1)
+====================  =================================================================================
+
+The tables are those of :class:`~.sam.StaticSuffixAutomaton`. Loading maps the arrays read-only (``np.memmap``),
+checks magic, version, sizes, shapes and the automaton's structure (so a damaged file cannot make a kernel read out of
+bounds), and optionally the per-array CRC32 checksums. Every problem raises :class:`DatastoreError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import msgspec
+import numpy as np
+
+from .sam import StaticSuffixAutomaton, SuffixAutomaton
+
+MAGIC = b"VTSPECDS"
+FORMAT_VERSION = 1
+_ALIGN = 64
+_PREFIX = struct.Struct("<8sQ")
+_ARRAYS = {"states": (np.int32, 2), "edges": (np.int32, 2), "tokens": (np.int32, 1)}
+
+
+class DatastoreError(ValueError):
+    """A datastore file that is missing, corrupt, of another format version, or for another tokenizer."""
+
+
+class ArraySpec(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: list[int]
+    offset: int
+    crc32: int
+
+
+class DatastoreHeader(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    magic: str
+    format_version: int
+    vocab_size: int
+    tokenizer: str
+    num_tokens: int
+    num_documents: int
+    num_states: int
+    num_edges: int
+    arrays: dict[str, ArraySpec]
+
+
+class Datastore(msgspec.Struct, kw_only=True):
+    """A loaded datastore: its header and its (memory-mapped) automaton."""
+
+    path: str
+    header: DatastoreHeader
+    automaton: Any  # StaticSuffixAutomaton
+
+
+def _crc(a: np.ndarray) -> int:
+    crc = 0
+    flat = a.reshape(-1).view(np.uint8)
+    for i in range(0, flat.shape[0], 1 << 24):
+        crc = zlib.crc32(flat[i:i + (1 << 24)], crc)
+    return crc
+
+
+def save_datastore(path: str | os.PathLike, automaton: StaticSuffixAutomaton, *, vocab_size: int, tokenizer: str,
+                   num_documents: int) -> DatastoreHeader:
+    arrays = {"states": automaton.states, "edges": automaton.edges, "tokens": automaton.tokens}
+    # offsets depend on the header length, which depends on the offsets' digits: fix them at a generous header size
+    specs = {name: ArraySpec(str(a.dtype), list(a.shape), 0, _crc(a)) for name, a in arrays.items()}
+    header = DatastoreHeader(magic=MAGIC.decode(), format_version=FORMAT_VERSION, vocab_size=int(vocab_size),
+                             tokenizer=tokenizer, num_tokens=len(automaton), num_documents=int(num_documents),
+                             num_states=automaton.num_states, num_edges=automaton.num_edges, arrays=specs)
+    reserved = _align(_PREFIX.size + len(msgspec.msgpack.encode(header)) + 256)
+    offset = reserved
+    for name, a in arrays.items():
+        specs[name].offset = offset
+        offset = _align(offset + a.nbytes)
+    blob = msgspec.msgpack.encode(header)
+    assert _PREFIX.size + len(blob) <= reserved
+    tmp = Path(f"{os.fspath(path)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_PREFIX.pack(MAGIC, len(blob)))
+        f.write(blob)
+        for name, a in arrays.items():
+            f.seek(specs[name].offset)
+            f.write(np.ascontiguousarray(a).tobytes())
+        f.truncate(offset)
+    os.replace(tmp, path)
+    return header
+
+
+def load_datastore(path: str | os.PathLike, *, expected_vocab_size: int | None = None,
+                   expected_tokenizer: str | None = None, verify_checksums: bool = False) -> Datastore:
+    """Open a datastore read-only (memory-mapped) and validate it; see the module docstring."""
+    path = os.fspath(path)
+
+    def fail(msg: str) -> DatastoreError:
+        return DatastoreError(f"datastore {path!r}: {msg}")
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(_PREFIX.size)
+            if len(prefix) < _PREFIX.size:
+                raise fail("file too short to be a datastore")
+            magic, hlen = _PREFIX.unpack(prefix)
+            if magic != MAGIC:
+                raise fail(f"not a vllm-treespec datastore (magic {magic!r}, expected {MAGIC!r})")
+            if hlen > size - _PREFIX.size:
+                raise fail("header length exceeds the file size (truncated or corrupt file)")
+            blob = f.read(hlen)
+    except OSError as e:
+        raise DatastoreError(f"cannot read datastore {path!r}: {e}") from e
+    try:
+        header = msgspec.msgpack.decode(blob, type=DatastoreHeader)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise fail(f"corrupt header ({e})") from e
+    if header.magic != MAGIC.decode():
+        raise fail(f"corrupt header (magic field {header.magic!r})")
+    if header.format_version != FORMAT_VERSION:
+        raise fail(f"format version {header.format_version} is not supported (this build reads version "
+                   f"{FORMAT_VERSION}); rebuild it with `vllm-treespec datastore build`")
+    if expected_vocab_size is not None and header.vocab_size != expected_vocab_size:
+        raise fail(f"built for a vocabulary of {header.vocab_size} tokens (tokenizer {header.tokenizer!r}) but the "
+                   f"model has {expected_vocab_size}")
+    if expected_tokenizer is not None and header.tokenizer != expected_tokenizer:
+        warnings.warn(f"datastore {path!r} was built with tokenizer {header.tokenizer!r}, not {expected_tokenizer!r}",
+                      stacklevel=2)
+    if set(header.arrays) != set(_ARRAYS):
+        raise fail(f"arrays {sorted(header.arrays)} do not match the expected {sorted(_ARRAYS)}")
+    arrays = {}
+    for name, (dtype, ndim) in _ARRAYS.items():
+        spec = header.arrays[name]
+        if spec.dtype != np.dtype(dtype).name or len(spec.shape) != ndim or min(spec.shape, default=0) < 0:
+            raise fail(f"array {name!r} has dtype {spec.dtype} and shape {spec.shape}")
+        nbytes = int(np.prod(spec.shape)) * np.dtype(dtype).itemsize
+        if spec.offset < _PREFIX.size + hlen or spec.offset + nbytes > size:
+            raise fail(f"array {name!r} lies outside the file (truncated or corrupt file)")
+        a = (np.memmap(path, dtype=dtype, mode="r", offset=spec.offset, shape=tuple(spec.shape)) if nbytes
+             else np.zeros(spec.shape, dtype))
+        if verify_checksums and _crc(a) != spec.crc32:
+            raise fail(f"checksum mismatch in array {name!r} (corrupt file)")
+        arrays[name] = a
+    states, edges, tokens = arrays["states"], arrays["edges"], arrays["tokens"]
+    if (states.shape[0], edges.shape[0], tokens.shape[0]) != (header.num_states, header.num_edges, header.num_tokens):
+        raise fail("array sizes disagree with the header counts")
+    try:
+        automaton = StaticSuffixAutomaton(states, edges, tokens)
+    except ValueError as e:
+        raise fail(str(e)) from e
+    return Datastore(path=path, header=header, automaton=automaton)
+
+
+def build_from_token_documents(documents: Iterable[np.ndarray], out_path: str | os.PathLike, *, vocab_size: int,
+                               tokenizer: str, max_tokens: int | None = None) -> DatastoreHeader:
+    """Index tokenised documents (stopping before ``max_tokens`` tokens, separators included) and save them."""
+    sam = SuffixAutomaton(capacity=1 << 16)
+    num_docs = 0
+    for doc in documents:
+        doc = np.asarray(doc, dtype=np.int32).reshape(-1)
+        if doc.shape[0] == 0:
+            continue
+        if doc.min() < 0 or doc.max() >= vocab_size:
+            raise ValueError(f"document {num_docs} has token ids outside [0, {vocab_size})")
+        if max_tokens is not None and len(sam) + doc.shape[0] + 1 > max_tokens:
+            break
+        sam.add_document(doc)
+        num_docs += 1
+    return save_datastore(out_path, sam.compact(), vocab_size=vocab_size, tokenizer=tokenizer,
+                          num_documents=num_docs)
+
+
+# --- corpus files ---------------------------------------------------------------------------------------------------
+#: JSON keys whose string values (or lists of strings) are taken as documents: ShareGPT ``value``, chat ``content``,
+#: MT-Bench ``turns``, HumanEval ``prompt``/``canonical_solution``, and common instruction-data fields.
+TEXT_KEYS = frozenset({"text", "value", "content", "turns", "prompt", "completion", "response", "output",
+                       "canonical_solution", "question", "answer", "instruction", "input"})
+_SKIP = re.compile(r"[\s,]*")
+
+
+def texts_from_json(obj: Any, key: str | None = None) -> Iterator[str]:
+    """Strings under :data:`TEXT_KEYS` anywhere in ``obj`` (a bare top-level string counts too)."""
+    if isinstance(obj, str):
+        if (key is None or key in TEXT_KEYS) and obj:
+            yield obj
+    elif isinstance(obj, list):
+        for x in obj:
+            yield from texts_from_json(x, key)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from texts_from_json(v, k)
+
+
+def iter_json_values(text: str, path: str = "<json>") -> Iterator[Any]:
+    """Elements of a top-level JSON array (or the single top-level value), tolerating a truncated file: decoding
+    stops with a warning at the first element that does not parse (e.g. the truncated ShareGPT dump)."""
+    decoder = json.JSONDecoder()
+    i = _SKIP.match(text, 0).end()
+    if i >= len(text):
+        return
+    if text[i] != "[":
+        try:
+            yield decoder.raw_decode(text, i)[0]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        return
+    i += 1
+    count = 0
+    while True:
+        i = _SKIP.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            warnings.warn(f"{path}: JSON ends early after {count} complete elements; using those", stacklevel=2)
+            return
+        count += 1
+        yield value
+
+
+def iter_documents(path: str | os.PathLike) -> Iterator[str]:
+    """Documents of a corpus file: ``.jsonl`` (one JSON value per line), ``.json`` (an array, possibly truncated),
+    anything else as one plain-text document."""
+    path = os.fspath(path)
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
+                    yield from texts_from_json(obj)
+    elif suffix == ".json":
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for value in iter_json_values(text, path):
+            yield from texts_from_json(value)
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if text:
+            yield text
+
+
+def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def build_datastore(tokenizer_name_or_path: str, files: Iterable[str | os.PathLike], out_path: str | os.PathLike, *,
+                    max_tokens: int | None = None, batch_size: int = 64, progress: bool = True,
+                    tokenizer: Any = None) -> DatastoreHeader:
+    """Tokenise corpus ``files`` (text / jsonl / JSON incl. ShareGPT) and write a datastore to ``out_path``.
+
+    ``tokenizer`` (anything callable like a Hugging Face tokenizer, returning ``{"input_ids": [...]}`` for a list of
+    strings, with ``len()`` = vocabulary size) overrides loading ``tokenizer_name_or_path`` with
+    ``transformers.AutoTokenizer``."""
+    from tqdm import tqdm
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
+    vocab_size = len(tokenizer)
+    files = [os.fspath(f) for f in files]
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"corpus file not found: {f}")
+    bar = tqdm(desc="tokenising", unit="doc", disable=not progress)
+
+    def documents() -> Iterator[np.ndarray]:
+        for f in files:
+            bar.set_postfix_str(os.path.basename(f))
+            for batch in _batched(iter_documents(f), batch_size):
+                for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                    bar.update(1)
+                    yield np.asarray(ids, dtype=np.int32)
+
+    try:
+        return build_from_token_documents(documents(), out_path, vocab_size=vocab_size,
+                                          tokenizer=str(tokenizer_name_or_path), max_tokens=max_tokens)
+    finally:
+        bar.close()
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN

@@ -1,0 +1,307 @@
+"""Best-first extraction of draft trees from counted continuation graphs, and merging of trees from several sources.
+
+Every retrieval structure in this package answers a query with a *count graph*: a node (a suffix-automaton state or a
+trie node) whose outgoing edges are the tokens seen next, each leading to a node whose count says how often that
+continuation occurred. :func:`extract_tree` turns such a graph into a draft tree of at most ``budget`` nodes by
+best-first search on the path probability (product of empirical next-token probabilities along the path), the
+frequency-weighted expansion of SuffixDecoding (arXiv 2411.04975) and SGLang's NGRAM trie.
+
+Arrays shared by all count graphs (int32, one row per node / edge; only the listed columns are read here):
+
+- ``states[v, S_CNT]``: occurrence count of node ``v``; ``states[v, S_FIRST]``: its first outgoing edge or -1.
+- ``edges[e, E_TOK]``: the edge's token (``SEP`` = document separator, never proposed); ``edges[e, E_TO]``: target
+  node; ``edges[e, E_NEXT]``: next edge of the same source or -1.
+
+A tree is ``(token_ids int64[N], parents int32[N], probs float32[N])`` in best-first order: parents[i] < i, -1 is the
+root (the last context token), the path probability never increases along the order, so every prefix is a valid
+subtree holding the most probable nodes. ``probs[i]`` is P(token_i | path to its parent), the node's confidence.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+from numba import njit
+
+# Column layout of state and edge tables (see module docstring; sam.py adds S_LEN/S_LINK/S_DEG and E_SRC).
+S_LEN, S_LINK, S_CNT, S_FIRST, S_DEG = 0, 1, 2, 3, 4
+E_TOK, E_TO, E_NEXT, E_SRC = 0, 1, 2, 3
+#: Token value that separates documents inside one index. Contexts never contain it and trees never cross it.
+SEP = -1
+
+
+class RetrievedTree(NamedTuple):
+    """A retrieved continuation tree (see module docstring) and the length of the context suffix it continues."""
+
+    token_ids: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray
+    match_len: int = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def path_scores(self) -> np.ndarray:
+        """Path probability of every node (product of ``probs`` from the root)."""
+        return _path_scores(self.parents, self.probs)
+
+    def depths(self) -> np.ndarray:
+        d = np.zeros(self.num_nodes, np.int32)
+        for i, p in enumerate(self.parents.tolist()):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
+
+    def paths(self) -> list[list[int]]:
+        """Token path from the root to each node."""
+        out: list[list[int]] = []
+        toks = self.token_ids.tolist()
+        for i, p in enumerate(self.parents.tolist()):
+            out.append((out[p] if p >= 0 else []) + [toks[i]])
+        return out
+
+
+def empty_tree(match_len: int = 0) -> RetrievedTree:
+    return RetrievedTree(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), match_len)
+
+
+# --- binary max-heap of candidate ids, ordered by score then by push order (earlier first) -----------------------
+@njit(cache=True, inline="always")
+def _better(score, a, b):
+    return score[a] > score[b] or (score[a] == score[b] and a < b)
+
+
+@njit(cache=True)
+def _heap_push(heap, size, score, item):
+    i = size
+    heap[i] = item
+    while i > 0:
+        p = (i - 1) >> 1
+        if _better(score, heap[i], heap[p]):
+            heap[i], heap[p] = heap[p], heap[i]
+            i = p
+        else:
+            break
+    return size + 1
+
+
+@njit(cache=True)
+def _heap_pop(heap, size, score):
+    top = heap[0]
+    size -= 1
+    heap[0] = heap[size]
+    i = 0
+    while True:
+        left = 2 * i + 1
+        if left >= size:
+            break
+        best = left
+        if left + 1 < size and _better(score, heap[left + 1], heap[left]):
+            best = left + 1
+        if _better(score, heap[best], heap[i]):
+            heap[i], heap[best] = heap[best], heap[i]
+            i = best
+        else:
+            break
+    return top, size
+
+
+@njit(cache=True)
+def _path_scores(parents, probs):
+    out = np.empty(parents.shape[0], np.float64)
+    for i in range(parents.shape[0]):
+        p = parents[i]
+        out[i] = probs[i] * (out[p] if p >= 0 else 1.0)
+    return out
+
+
+# --- extraction from a count graph --------------------------------------------------------------------------------
+@njit(cache=True)
+def _push_children(states, edges, node, out_idx, depth, score, remaining, min_prob, min_score,
+                   top_cnt, top_edge, c_score, c_prob, c_parent, c_node, c_tok, c_depth, n_cand, heap, heap_size):
+    """Push the ``remaining`` most frequent children of ``node`` (only they can still fit in the tree)."""
+    # One pass: total count of all children (separators included: a document end is a real outcome) and a min-heap
+    # of the top ``remaining`` children by count (ties keep the earlier edge).
+    total = 0
+    k = 0
+    e = states[node, S_FIRST]
+    while e >= 0:
+        child = edges[e, E_TO]
+        c = states[child, S_CNT]
+        total += c
+        if edges[e, E_TOK] != SEP:
+            if k < remaining:
+                i = k
+                k += 1
+                top_cnt[i] = c
+                top_edge[i] = e
+                while i > 0:  # sift up (min-heap on count)
+                    p = (i - 1) >> 1
+                    if top_cnt[i] < top_cnt[p]:
+                        top_cnt[i], top_cnt[p] = top_cnt[p], top_cnt[i]
+                        top_edge[i], top_edge[p] = top_edge[p], top_edge[i]
+                        i = p
+                    else:
+                        break
+            elif c > top_cnt[0]:
+                top_cnt[0] = c
+                top_edge[0] = e
+                i = 0
+                while True:  # sift down
+                    left = 2 * i + 1
+                    if left >= k:
+                        break
+                    m = left
+                    if left + 1 < k and top_cnt[left + 1] < top_cnt[left]:
+                        m = left + 1
+                    if top_cnt[m] < top_cnt[i]:
+                        top_cnt[i], top_cnt[m] = top_cnt[m], top_cnt[i]
+                        top_edge[i], top_edge[m] = top_edge[m], top_edge[i]
+                        i = m
+                    else:
+                        break
+        e = edges[e, E_NEXT]
+    if total <= 0:
+        return n_cand, heap_size
+    # Push the kept children (their order only breaks ties between equal path probabilities, deterministically).
+    for j in range(k):
+        e = top_edge[j]
+        prob = top_cnt[j] / total
+        s = score * prob
+        if prob < min_prob or s < min_score:
+            continue
+        c_score[n_cand] = s
+        c_prob[n_cand] = prob
+        c_parent[n_cand] = out_idx
+        c_node[n_cand] = edges[e, E_TO]
+        c_tok[n_cand] = edges[e, E_TOK]
+        c_depth[n_cand] = depth + 1
+        heap_size = _heap_push(heap, heap_size, c_score, n_cand)
+        n_cand += 1
+    return n_cand, heap_size
+
+
+@njit(cache=True)
+def extract_tree(states, edges, root, budget, max_depth, min_prob, min_score):
+    """Best-first tree of at most ``budget`` nodes and ``max_depth`` levels below ``root`` of a count graph.
+
+    A child is kept only if its empirical probability is >= ``min_prob`` and its path probability >= ``min_score``.
+    Returns ``(token_ids int64, parents int32, probs float32)``.
+    """
+    if budget <= 0 or max_depth <= 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
+    cap = budget
+    for i in range(budget):
+        cap += budget - i - 1
+    c_score = np.empty(cap, np.float64)
+    c_prob = np.empty(cap, np.float32)
+    c_parent = np.empty(cap, np.int32)
+    c_node = np.empty(cap, np.int64)
+    c_tok = np.empty(cap, np.int64)
+    c_depth = np.empty(cap, np.int32)
+    heap = np.empty(cap, np.int32)
+    top_cnt = np.empty(budget, np.int64)
+    top_edge = np.empty(budget, np.int64)
+    out_tok = np.empty(budget, np.int64)
+    out_par = np.empty(budget, np.int32)
+    out_prob = np.empty(budget, np.float32)
+
+    n_cand, heap_size = _push_children(states, edges, root, -1, 0, 1.0, budget, min_prob, min_score, top_cnt,
+                                       top_edge, c_score, c_prob, c_parent, c_node, c_tok, c_depth, 0, heap, 0)
+    n = 0
+    while n < budget and heap_size > 0:
+        c, heap_size = _heap_pop(heap, heap_size, c_score)
+        out_tok[n] = c_tok[c]
+        out_par[n] = c_parent[c]
+        out_prob[n] = c_prob[c]
+        n += 1
+        if c_depth[c] < max_depth and n < budget:
+            n_cand, heap_size = _push_children(states, edges, c_node[c], n - 1, c_depth[c], c_score[c], budget - n,
+                                               min_prob, min_score, top_cnt, top_edge, c_score, c_prob, c_parent,
+                                               c_node, c_tok, c_depth, n_cand, heap, heap_size)
+    return out_tok[:n].copy(), out_par[:n].copy(), out_prob[:n].copy()
+
+
+# --- merging trees of several sources ---------------------------------------------------------------------------
+@njit(cache=True)
+def _merge_kernel(tok, par, prob, offsets, budget):
+    """Union trie of the trees ``[offsets[s], offsets[s+1])``; a node's score is the highest path probability any
+    source gives its path. Returns the best-first top ``budget`` nodes with probs = score / parent score."""
+    total = tok.shape[0]
+    # trie node 0 is the root; node i > 0 has token m_tok[i], parent m_par[i] (trie index) and children lists
+    m_tok = np.empty(total + 1, np.int64)
+    m_par = np.empty(total + 1, np.int64)
+    m_score = np.zeros(total + 1, np.float64)
+    m_first = np.full(total + 1, -1, np.int64)
+    m_next = np.full(total + 1, -1, np.int64)
+    m_score[0] = 1.0
+    n_nodes = 1
+    src_map = np.empty(total, np.int64)  # source node -> trie node
+    src_score = np.empty(total, np.float64)
+    for s in range(offsets.shape[0] - 1):
+        base = offsets[s]
+        for j in range(base, offsets[s + 1]):
+            p = par[j]
+            parent = 0 if p < 0 else src_map[base + p]
+            score = prob[j] * (1.0 if p < 0 else src_score[base + p])
+            child = m_first[parent]
+            while child >= 0 and m_tok[child] != tok[j]:
+                child = m_next[child]
+            if child < 0:
+                child = n_nodes
+                n_nodes += 1
+                m_tok[child] = tok[j]
+                m_par[child] = parent
+                m_next[child] = m_first[parent]
+                m_first[parent] = child
+            if score > m_score[child]:
+                m_score[child] = score
+            src_map[j] = child
+            src_score[j] = score
+    # best-first over the trie; the max of monotone path scores is monotone, so parents always come first
+    out_tok = np.empty(budget, np.int64)
+    out_par = np.empty(budget, np.int32)
+    out_prob = np.empty(budget, np.float32)
+    out_of = np.empty(n_nodes, np.int32)  # trie node -> output index
+    heap = np.empty(n_nodes, np.int32)
+    # candidate ids are trie ids; order ties by trie id (= first appearance), so key = score
+    heap_size = 0
+    c = m_first[0]
+    while c >= 0:
+        heap_size = _heap_push(heap, heap_size, m_score, c)
+        c = m_next[c]
+    n = 0
+    while n < budget and heap_size > 0:
+        c, heap_size = _heap_pop(heap, heap_size, m_score)
+        parent = m_par[c]
+        out_tok[n] = m_tok[c]
+        out_par[n] = -1 if parent == 0 else out_of[parent]
+        out_prob[n] = m_score[c] / m_score[parent]
+        out_of[c] = n
+        n += 1
+        ch = m_first[c]
+        while ch >= 0:
+            heap_size = _heap_push(heap, heap_size, m_score, ch)
+            ch = m_next[ch]
+    return out_tok[:n].copy(), out_par[:n].copy(), out_prob[:n].copy()
+
+
+def merge_trees(trees: Sequence[RetrievedTree], budget: int) -> RetrievedTree:
+    """Merge trees that continue the same context into one tree of at most ``budget`` nodes.
+
+    Identical paths are shared; each node keeps the highest path probability any source gives it, and the result is
+    the best-first top ``budget`` of the union. ``match_len`` is the longest of the inputs.
+    """
+    trees = [t for t in trees if t.num_nodes]
+    if not trees:
+        return empty_tree()
+    match_len = max(t.match_len for t in trees)
+    if len(trees) == 1 and trees[0].num_nodes <= budget:
+        return trees[0]._replace(match_len=match_len)
+    offsets = np.zeros(len(trees) + 1, np.int64)
+    offsets[1:] = np.cumsum([t.num_nodes for t in trees])
+    tok, par, prob = _merge_kernel(np.concatenate([t.token_ids for t in trees]),
+                                   np.concatenate([t.parents for t in trees]),
+                                   np.concatenate([t.probs for t in trees]), offsets, int(budget))
+    return RetrievedTree(tok, par, prob, match_len)
