@@ -1,0 +1,51 @@
+"""Shared loop of the retrieval proposers: one :class:`vllm_treespec.retrieval.Retriever` query per request row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
+from vllm_treespec.retrieval import Retriever
+
+
+def check_positive(method: str, opts: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(opts, name)
+        if value < 1:
+            raise ValueError(f"{method} option {name!r} must be >= 1, got {value}")
+
+
+def check_unit(method: str, opts: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(opts, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{method} option {name!r} must be in [0, 1], got {value}")
+
+
+class RetrievalTreeProposer(TreeProposer):
+    """Subclasses build ``self.retriever`` in ``__init__``; ``options.max_nodes`` (None = the verify budget) caps trees."""
+
+    retriever: Retriever
+
+    def budget(self, ctx: ProposeContext) -> int:
+        limit = self.options.max_nodes
+        if ctx.max_nodes <= 0:
+            return limit or 0
+        return ctx.max_nodes if limit is None else min(limit, ctx.max_nodes)
+
+    def query(self, ctx: ProposeContext, i: int, budget: int) -> Any:
+        return self.retriever.retrieve(ctx.req_ids[i], ctx.committed(i), budget)
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        budget = self.budget(ctx)
+        trees: list[DraftTree | None] = []
+        for i in range(ctx.num_reqs):
+            if not ctx.needs_draft(i):
+                trees.append(None)
+                continue
+            t = self.query(ctx, i, budget)
+            trees.append(DraftTree(t.token_ids, t.parents, t.probs) if t.num_nodes else DraftTree.empty())
+        return trees
+
+    def on_requests_finished(self, req_ids: set[str]) -> None:
+        self.retriever.release(req_ids)

@@ -1,0 +1,82 @@
+"""``suffix_tree``: SuffixDecoding-style retrieval trees (arXiv 2411.04975) from suffix automata.
+
+Reads each request's committed tokens (``ctx.committed(i)``). Three sources answer, and their trees are merged
+(:class:`vllm_treespec.retrieval.SuffixRetriever`): a per-request automaton over the request's own prompt and output
+(longest earlier-occurring suffix), a global automaton over the outputs of finished requests, and optionally a corpus
+datastore built with ``vllm-treespec datastore build``. Nodes are chosen best-first by path probability, where each
+node's confidence is the empirical probability of its token after the matched suffix and its path (``node_probs``).
+Needs no model, hidden states or KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from vllm_treespec.api import ProposeContext
+from vllm_treespec.proposers._retrieval_base import RetrievalTreeProposer, check_positive, check_unit
+from vllm_treespec.retrieval import SuffixRetriever, load_datastore
+
+
+class SuffixTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    #: nodes per tree; None = the verify budget (num_speculative_tokens)
+    max_nodes: int | None = None
+    max_depth: int = 24
+    #: drop a node whose confidence (empirical next-token probability) is below this
+    min_token_prob: float = 0.1
+    #: drop a node whose path confidence (product of confidences from the root) is below this
+    min_confidence: float = 0.0
+    #: shortest context suffix a source must match to propose
+    min_match_len: int = 1
+    #: a source proposes at most max_spec_factor * match_len nodes (SuffixDecoding's adaptive length); None = off
+    max_spec_factor: float | None = None
+    #: context tokens matched against the global store and the corpus
+    match_window: int = 32
+    #: index finished outputs and retrieve from them
+    use_global: bool = True
+    #: also index the prompt of finished requests in the global store
+    global_include_prompt: bool = False
+    global_max_tokens: int = 1 << 20
+    max_tokens_per_request: int = 32768
+    max_cached_requests: int = 256
+    #: corpus datastore file (``vllm-treespec datastore build``); None = no corpus
+    datastore: str | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("suffix_tree", self, "max_depth", "min_match_len", "match_window", "global_max_tokens",
+                        "max_tokens_per_request", "max_cached_requests")
+        if self.max_nodes is not None:
+            check_positive("suffix_tree", self, "max_nodes")
+        check_unit("suffix_tree", self, "min_token_prob", "min_confidence")
+        if self.max_spec_factor is not None and not self.max_spec_factor > 0:
+            raise ValueError(f"suffix_tree option 'max_spec_factor' must be > 0 or null, got {self.max_spec_factor}")
+        if self.global_max_tokens < 2 or self.max_tokens_per_request < 2:
+            raise ValueError("suffix_tree options 'global_max_tokens' and 'max_tokens_per_request' must be >= 2")
+        if self.datastore is not None and not os.path.isfile(self.datastore):
+            raise ValueError(f"suffix_tree option 'datastore': no such file {self.datastore!r}")
+
+
+class SuffixTreeProposer(RetrievalTreeProposer):
+    options_type = SuffixTreeOptions
+
+    def __init__(self, vllm_config: Any = None, options: SuffixTreeOptions | None = None) -> None:
+        super().__init__(vllm_config, options)
+        opts: SuffixTreeOptions = self.options
+        corpus = None
+        if opts.datastore is not None:
+            model_config = getattr(vllm_config, "model_config", None)
+            vocab = model_config.get_vocab_size() if model_config is not None else None
+            tokenizer = getattr(model_config, "tokenizer", None) if model_config is not None else None
+            corpus = load_datastore(opts.datastore, model_vocab_size=vocab, expected_tokenizer=tokenizer).automaton
+        self.retriever = SuffixRetriever(
+            max_depth=opts.max_depth, min_prob=opts.min_token_prob, min_score=opts.min_confidence,
+            min_match_len=opts.min_match_len, max_spec_factor=opts.max_spec_factor, match_window=opts.match_window,
+            max_tokens_per_request=opts.max_tokens_per_request, max_requests=opts.max_cached_requests,
+            global_max_tokens=opts.global_max_tokens if opts.use_global else 0, corpus=corpus)
+
+    def query(self, ctx: ProposeContext, i: int, budget: int):
+        # the prompt length matters only when the request is first seen: the output starts after it
+        prompt_len = 0 if self.options.global_include_prompt else int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
+        return self.retriever.retrieve(ctx.req_ids[i], ctx.committed(i), budget, prompt_len=prompt_len)
