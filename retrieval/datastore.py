@@ -104,9 +104,12 @@ def save_datastore(path: str | os.PathLike, automaton: StaticSuffixAutomaton, *,
     return header
 
 
-def load_datastore(path: str | os.PathLike, *, expected_vocab_size: int | None = None,
+def load_datastore(path: str | os.PathLike, *, model_vocab_size: int | None = None,
                    expected_tokenizer: str | None = None, verify_checksums: bool = False) -> Datastore:
-    """Open a datastore read-only (memory-mapped) and validate it; see the module docstring."""
+    """Open a datastore read-only (memory-mapped) and validate it; see the module docstring.
+
+    ``model_vocab_size``: fail if the datastore's tokenizer has more tokens than the model's (padded) vocabulary.
+    ``expected_tokenizer``: warn if the datastore was built with a tokenizer of another name."""
     path = os.fspath(path)
 
     def fail(msg: str) -> DatastoreError:
@@ -135,9 +138,9 @@ def load_datastore(path: str | os.PathLike, *, expected_vocab_size: int | None =
     if header.format_version != FORMAT_VERSION:
         raise fail(f"format version {header.format_version} is not supported (this build reads version "
                    f"{FORMAT_VERSION}); rebuild it with `vllm-treespec datastore build`")
-    if expected_vocab_size is not None and header.vocab_size != expected_vocab_size:
+    if model_vocab_size is not None and header.vocab_size > model_vocab_size:
         raise fail(f"built for a vocabulary of {header.vocab_size} tokens (tokenizer {header.tokenizer!r}) but the "
-                   f"model has {expected_vocab_size}")
+                   f"model has only {model_vocab_size}")
     if expected_tokenizer is not None and header.tokenizer != expected_tokenizer:
         warnings.warn(f"datastore {path!r} was built with tokenizer {header.tokenizer!r}, not {expected_tokenizer!r}",
                       stacklevel=2)
@@ -282,9 +285,7 @@ def build_datastore(tokenizer_name_or_path: str, files: Iterable[str | os.PathLi
     from tqdm import tqdm
 
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_name_or_path)
+        tokenizer = _load_tokenizer(tokenizer_name_or_path)
     vocab_size = len(tokenizer)
     files = [os.fspath(f) for f in files]
     for f in files:
@@ -305,6 +306,12 @@ def build_datastore(tokenizer_name_or_path: str, files: Iterable[str | os.PathLi
                                           tokenizer=str(tokenizer_name_or_path), max_tokens=max_tokens)
     finally:
         bar.close()
+
+
+def _load_tokenizer(name_or_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)
 
 
 def _align(n: int) -> int:

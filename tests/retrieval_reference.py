@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+import sysconfig
 from typing import Callable
 
 import numpy as np
+import pytest
 
 SEP = -1
 
@@ -74,3 +79,17 @@ def check_best_first(tree, dist: Callable[[tuple[int, ...]], dict[int, float]], 
                 continue
             assert n == budget, f"eligible {base + (t,)} left out of a tree below budget"
             assert s <= worst + 1e-6, f"left out {base + (t,)} (score {s}) beats a taken node ({worst})"
+
+
+def stdlib_token_stream(limit: int = 200_000) -> np.ndarray:
+    """Real text as token ids: Python stdlib sources split into words/punctuation, mapped onto 4096 ids."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    words = re.findall(r"\w+|[^\w\s]|\n", "\n".join(open(f, encoding="utf-8", errors="replace").read()
+                                                    for f in files[:40]))
+    vocab: dict[str, int] = {}
+    return np.array([vocab.setdefault(w, len(vocab) % 4096) for w in words[:limit]], np.int32)
+
+
+@pytest.fixture(scope="session")
+def stdlib_tokens() -> np.ndarray:
+    return stdlib_token_stream()

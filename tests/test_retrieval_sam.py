@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval_reference import check_best_first, followers, longest_match, occurrences
+from retrieval_reference import check_best_first, followers, longest_match, occurrences, stdlib_tokens  # noqa: F401
 from vllm_treespec.retrieval import NgramIndex, SuccessorTable, SuffixAutomaton, merge_trees
 from vllm_treespec.retrieval.tree import RetrievedTree
 
