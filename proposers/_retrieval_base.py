@@ -23,7 +23,7 @@ def check_unit(method: str, opts: Any, *names: str) -> None:
 
 
 class RetrievalTreeProposer(TreeProposer):
-    """Subclasses build ``self.retriever`` in ``__init__``; ``options.max_nodes`` (None = the verify budget) caps trees."""
+    """Subclasses build ``self.retriever`` in ``__init__``. ``options.max_nodes`` caps trees (None = verify budget)."""
 
     retriever: Retriever
 

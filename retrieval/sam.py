@@ -278,7 +278,8 @@ class SuffixAutomaton:
     @staticmethod
     def nbytes_for(num_tokens: int) -> int:
         """Upper bound of ``nbytes`` for an automaton whose capacity is ``num_tokens`` tokens."""
-        return 4 * num_tokens + 16 * (2 * num_tokens + 1) + 16 * (3 * num_tokens + 4) + 4 * _pow2(2 * (3 * num_tokens + 4))
+        edges = 3 * num_tokens + 4
+        return 4 * num_tokens + 16 * (2 * num_tokens + 1) + 16 * edges + 4 * _pow2(2 * edges)
 
     def reserve(self, num_tokens: int) -> None:
         """Make room for ``num_tokens`` tokens in total (tables are copied, the hash table rebuilt)."""

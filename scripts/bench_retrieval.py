@@ -165,8 +165,9 @@ def main() -> None:
             print(f"{n:>7} {name:<26} {tp / 1e6:>13.2f} {pct(la, 50):>8.1f} {pct(la, 99):>8.1f} {np.mean(co):>8.2f}")
         if SuffixDecodingCache is not None:
             ours, arc = rows["suffix_tree (Arctic params)"], rows["arctic SuffixDecoding tree"]
-            print(f"{n:>7} ratio ours/Arctic: append x{ours[0] / arc[0]:.2f}, p50 x{pct(arc[1], 50) / pct(ours[1], 50):.2f} "
-                  f"faster, p99 x{pct(arc[1], 99) / pct(ours[1], 99):.2f} faster")
+            print(f"{n:>7} ratio ours/Arctic: append x{ours[0] / arc[0]:.2f}, "
+                  f"p50 x{pct(arc[1], 50) / pct(ours[1], 50):.2f} faster, "
+                  f"p99 x{pct(arc[1], 99) / pct(ours[1], 99):.2f} faster")
 
 
 if __name__ == "__main__":
