@@ -43,28 +43,16 @@ class RepeatLastLineProposer(TreeProposer):
         # Start positions of earlier occurrences of the suffix, newest first.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], o.min_match)
         starts = np.nonzero((windows == suffix).all(axis=1))[0][::-1]
-        token_ids: list[int] = []
-        parents: list[int] = []
+        branches: list[np.ndarray] = []
         first_tokens: set[int] = set()
         for start in starts:
             continuation = tokens[start + o.min_match: start + o.min_match + o.depth]
             if continuation.size == 0 or int(continuation[0]) in first_tokens:
                 continue  # siblings must differ, or the second one could never be accepted
             first_tokens.add(int(continuation[0]))
-            parent = -1
-            for t in continuation.tolist():  # each branch is a chain hanging off the root
-                parents.append(parent)
-                parent = len(token_ids)
-                token_ids.append(t)
-            if len(first_tokens) == o.branches:
+            branches.append(continuation)
+            if len(branches) == o.branches:
                 break
-        if not token_ids:
-            return None
-        tree = DraftTree(np.array(token_ids), np.array(parents))
-        # Chains appended one after another are topological but not breadth-first; reorder so that the scheduler,
-        # which may keep only a prefix of the list, keeps the shallow nodes of every branch.
-        order = np.argsort(tree.depths(), kind="stable")
-        remap = np.empty_like(order)
-        remap[order] = np.arange(order.size)
-        new_parents = np.where(tree.parents[order] < 0, -1, remap[np.maximum(tree.parents[order], 0)])
-        return DraftTree(tree.token_ids[order], new_parents)
+        # Breadth-first order: the scheduler may keep only a prefix of the node list, and a breadth-first prefix
+        # keeps the shallow nodes of every branch.
+        return DraftTree.from_branches(branches) if branches else None

@@ -53,23 +53,6 @@ class StaticTreeProposer(TreeProposer):
                 trees.append(None)
                 continue
             chains = lookup_branches(ctx.committed(i), opts.branches, opts.depth)
-            tokens, parents = [], []
-            for chain in chains:
-                parent = -1
-                for t in chain.tolist():
-                    parents.append(parent)
-                    parent = len(tokens)
-                    tokens.append(t)
-            trees.append(bfs_order(np.array(tokens, np.int64), np.array(parents, np.int32)) if tokens else None)
+            trees.append(DraftTree.from_branches(chains) if chains else None)
         return trees
 
-
-def bfs_order(tokens: np.ndarray, parents: np.ndarray) -> DraftTree:
-    """Reorder a topological tree breadth-first (stable within a level), so any prefix is a shallow-first subtree."""
-    tree = DraftTree(tokens, parents)
-    depth = tree.depths()
-    order = np.argsort(depth, kind="stable")
-    new_index = np.empty_like(order)
-    new_index[order] = np.arange(order.size)
-    new_parents = np.where(parents[order] < 0, -1, new_index[np.maximum(parents[order], 0)])
-    return DraftTree(tokens[order], new_parents.astype(np.int32))

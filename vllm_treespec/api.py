@@ -119,6 +119,29 @@ class DraftTree:
                 current = i
         return DraftTree.chain(self.token_ids[path]) if path else DraftTree.empty()
 
+    def breadth_first(self) -> DraftTree:
+        """The same tree reordered by depth (stable within a level), so that every prefix keeps shallow nodes."""
+        order = np.argsort(self.depths(), kind="stable")
+        new_index = np.empty_like(order)
+        new_index[order] = np.arange(order.size)
+        parents = self.parents[order]
+        new_parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]).astype(np.int32)
+        probs = None if self.node_probs is None else self.node_probs[order]
+        return DraftTree(self.token_ids[order], new_parents, probs)
+
+    @classmethod
+    def from_branches(cls, branches: Sequence[Sequence[int] | np.ndarray]) -> DraftTree:
+        """A breadth-first tree whose root children start the given token chains (shared prefixes are not merged)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        for branch in branches:
+            parent = ROOT
+            for t in np.asarray(branch).tolist():
+                parents.append(parent)
+                parent = len(tokens)
+                tokens.append(int(t))
+        return cls(np.array(tokens, np.int64), np.array(parents, np.int32)).breadth_first()
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (inclusive)."""
         path = []

@@ -1,0 +1,57 @@
+"""Engines and prompts for end-to-end tests (fp32: bf16 verification flips near-tie tokens)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+# Worker processes import test proposers and examples by dotted path.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")) if p)
+
+
+def make_llm(model: str, spec: dict | None = None, **kwargs):
+    from vllm import LLM
+
+    options = dict(dtype="float32", max_model_len=1024, max_num_seqs=8, enforce_eager=True, seed=0,
+                   disable_log_stats=False)
+    options.update(kwargs)
+    return LLM(model=model, speculative_config=spec, **options)
+
+
+def close(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the process exit cleans up too
+        pass
+    del llm
+    gc.collect()
+
+
+def chat_prompts(model: str, limit_mt: int, limit_he: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from vllm_treespec.data import human_eval, mt_bench
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                       add_generation_prompt=True) for q in mt_bench()[:limit_mt]]
+    prompts += [q["turns"][0] for q in human_eval()[:limit_he]]
+    return prompts
+
+
+def spec_counters(llm) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            out[metric.name.removeprefix("vllm:spec_decode_")] = getattr(metric, "value", None) \
+                if hasattr(metric, "value") else getattr(metric, "values", None)
+    return out
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]

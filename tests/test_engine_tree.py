@@ -1,0 +1,139 @@
+"""End-to-end tree verification in a real vLLM engine on the embedded SmolLM2 model, fp32.
+
+The default suite runs a modest prompt set; `-m slow` (scripts/exactness.py) runs >= 100 real prompts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_helpers import chat_prompts, close, make_llm, spec_counters, token_ids
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_treespec.models import ensure_smollm2
+
+    return str(ensure_smollm2())
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return chat_prompts(model, limit_mt=6, limit_he=6)
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    llm = make_llm(model)
+    yield llm
+    close(llm)
+
+
+@pytest.fixture(scope="module")
+def tree(model):
+    llm = make_llm(model, {"method": "static_tree", "num_speculative_tokens": 24, "branches": 4, "depth": 6})
+    yield llm
+    close(llm)
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_greedy_identical_batch8(base, tree, prompts):
+    before = spec_counters(tree)
+    expected = token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    got = token_ids(tree.generate(prompts, greedy(), use_tqdm=False))
+    assert got == expected
+    after = spec_counters(tree)
+    assert after["num_drafts"] > before["num_drafts"]  # speculation really ran
+    assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
+
+
+def test_greedy_identical_batch1(base, tree, prompts):
+    for prompt in prompts[:3]:
+        assert token_ids(tree.generate([prompt], greedy(), use_tqdm=False)) == \
+            token_ids(base.generate([prompt], greedy(), use_tqdm=False))
+
+
+def test_mixed_tree_chain_and_no_draft_rows(base, tree, prompts):
+    """Tree rows, chain-fallback rows (logprobs, penalties, min_tokens) and rows that end at once share a batch."""
+    params = [greedy(), greedy(logprobs=2), greedy(presence_penalty=0.5), greedy(min_tokens=5),
+              greedy(max_tokens=1), greedy(max_tokens=7), greedy(), greedy(repetition_penalty=1.2)]
+    batch = prompts[: len(params)]
+    expected = base.generate(batch, params, use_tqdm=False)
+    got = tree.generate(batch, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(expected)
+    assert got[1].outputs[0].logprobs is not None and len(got[1].outputs[0].logprobs) == MAX_TOKENS
+
+
+def test_near_max_model_len(base, tree, model):
+    """Generation that runs into max_model_len: drafts are cut by the scheduler and by the drafter-fit check."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = "def f(x):\n    return x + 1\n" * 80
+    ids = tok(text)["input_ids"][: 1024 - 30]
+    from vllm.inputs import TokensPrompt
+
+    prompt = [TokensPrompt(prompt_token_ids=ids)]
+    expected = token_ids(base.generate(prompt, greedy(max_tokens=100), use_tqdm=False))
+    got = token_ids(tree.generate(prompt, greedy(max_tokens=100), use_tqdm=False))
+    assert got == expected
+    assert len(ids) + len(got[0]) <= 1024
+
+
+def test_abort_mid_batch(base, tree, prompts):
+    """Requests aborted while others keep decoding: survivors stay identical, the engine keeps working."""
+    expected = token_ids(base.generate(prompts[:4], greedy(max_tokens=60), use_tqdm=False))
+    engine = tree.llm_engine
+    ids = [f"abort-test-{i}" for i in range(4)]
+    for req_id, prompt in zip(ids, prompts[:4]):
+        engine.add_request(req_id, prompt, greedy(max_tokens=60))
+    finished: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 3:
+            engine.abort_request([ids[1], ids[2]])
+    assert ids[1] not in finished and ids[2] not in finished
+    assert finished[ids[0]] == expected[0] and finished[ids[3]] == expected[3]
+    assert token_ids(tree.generate(prompts[1:3], greedy(max_tokens=60), use_tqdm=False)) == expected[1:3]
+
+
+def test_oracle_acceptance_is_exactly_designed(base, model, prompts, tmp_path):
+    """With the true continuation at branch 1, depth 3 of a 3x5 tree, every verify step accepts exactly 3 drafts."""
+    from vllm import SamplingParams
+
+    batch = prompts[:4]
+    long = base.generate(batch, greedy(max_tokens=MAX_TOKENS + 8), use_tqdm=False)
+    refs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in long]
+    ref_path = tmp_path / "refs.json"
+    ref_path.write_text(json.dumps(refs))
+    true_depth = 3
+    llm = make_llm(model, {"method": "oracle_tree", "num_speculative_tokens": 15, "reference_path": str(ref_path),
+                           "branches": 3, "depth": 5, "true_branch": 1, "true_depth": true_depth})
+    try:
+        out = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert [o.outputs[0].token_ids for o in out] == [r[len(o.prompt_token_ids):][:MAX_TOKENS]
+                                                     for r, o in zip(refs, out)]
+    drafts, accepted = counters["num_drafts"], counters["num_accepted_tokens"]
+    assert drafts > 0
+    assert accepted == true_depth * drafts, counters
+    per_pos = counters["num_accepted_tokens_per_pos"]
+    assert list(per_pos)[:true_depth] == [drafts] * true_depth and sum(list(per_pos)[true_depth:]) == 0
