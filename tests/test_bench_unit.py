@@ -1,0 +1,127 @@
+"""The bench's method syntax, counter arithmetic, summary and table (no engine)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_treespec import bench
+from vllm_treespec.bench import BenchError, CategoryRun, MethodResult, MethodSpec, SpecCounters
+
+
+def test_parse_methods_labels_options_and_baseline_first():
+    specs = bench.parse_methods('ngram:{"num_speculative_tokens": 5, "prompt_lookup_max": 4}; '
+                                'st=suffix_tree:{"datastore": "/a;b.vtds"};none;static_tree')
+    assert [s.label for s in specs] == ["none", "ngram", "st", "static_tree"]
+    assert specs[0].speculative_config() is None
+    assert specs[1].speculative_config() == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+    assert specs[2].options == {"datastore": "/a;b.vtds"}  # ';' inside JSON strings is not a separator
+    assert specs[3].speculative_config() == {"method": "static_tree"}
+
+
+def test_parse_methods_adds_the_baseline():
+    assert [s.label for s in bench.parse_methods("suffix_tree")] == ["none", "suffix_tree"]
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('suffix_tree:{"max_depth": }', "not valid JSON"),
+    ("suffix_tree:[1, 2]", "must be a JSON object"),
+    ('suffix_tree:{"method": "x"}', "must not repeat 'method'"),
+    ("suffix_tree ngram", "expected ';'"),
+    ("suffix_tree;suffix_tree", "duplicate label"),
+    ('none:{"num_speculative_tokens": 3}', "'none' takes no options"),
+    ("=suffix_tree", "expected [LABEL=]METHOD"),
+])
+def test_parse_methods_errors_say_what_is_wrong(text, needle):
+    with pytest.raises(BenchError, match=None) as info:
+        bench.parse_methods(text)
+    assert needle in str(info.value)
+
+
+def test_check_method_catches_bad_tree_options_before_running():
+    bench.check_method(MethodSpec("ngram", "ngram", {"num_speculative_tokens": 3}))  # vLLM's own: not ours to check
+    with pytest.raises(BenchError, match="max_depth"):
+        bench.check_method(MethodSpec("st", "suffix_tree", {"max_depth": 0}))
+
+
+def test_read_counters_sums_engines_and_subtracts():
+    def metrics(drafts, accepted, per_pos):
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=drafts * 4),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per_pos),
+                SimpleNamespace(name="vllm:num_requests_running", value=3)]
+
+    before = bench.read_counters(metrics(2, 1, [1, 0, 0, 0]))
+    after = bench.read_counters(metrics(10, 12, [7, 3, 2, 0]) + metrics(0, 0, [0, 0, 0, 0]))
+    delta = after - before
+    assert (delta.drafts, delta.draft_tokens, delta.accepted, delta.accepted_per_pos) == (8, 32, 11, [6, 3, 2, 0])
+    assert delta.tau == pytest.approx(1 + 11 / 8)
+    assert delta.acceptance_per_pos == pytest.approx([6 / 8, 3 / 8, 2 / 8, 0])
+    assert SpecCounters().tau is None
+
+
+def _result(label, method, speeds, outputs, counters=None):
+    result = MethodResult(MethodSpec(label, method))
+    for speed in speeds:
+        result.repeats.append({cat: CategoryRun(elapsed_s=10.0, output_tokens=int(speed * 10), decode_tokens=90,
+                                                decode_s=9.0, requests=2, counters=counters or SpecCounters())
+                               for cat in ("code", "chat")})
+    result.outputs = outputs
+    return result
+
+
+def test_summarize_speedup_median_and_lossless_counts():
+    base_out = {"code": {1: [[1, 2]], 2: [[3]]}, "chat": {3: [[4], [5, 6]]}}
+    spec_out = {"code": {1: [[1, 2]], 2: [[3, 9]]}, "chat": {3: [[4], [5, 6]]}}
+    counters = SpecCounters(drafts=4, draft_tokens=16, accepted=6, accepted_per_pos=[3, 2, 1, 0])
+    results = [_result("none", "none", [10.0, 12.0, 11.0], base_out),
+               _result("st", "suffix_tree", [20.0, 30.0, 22.0], spec_out, counters),
+               MethodResult(MethodSpec("suffix", "suffix"), status="skipped", reason="needs arctic-inference")]
+    rows = bench.summarize(results, temperature=0.0)
+    by = {(r["method"], r["category"]): r for r in rows}
+    code = by[("st", "code")]
+    assert code["tok_per_s"] == pytest.approx(22.0)  # median of repeats
+    assert code["speedup"] == pytest.approx(22.0 / 11.0)
+    assert code["lossless"] == {"identical": 1, "prompts": 2}
+    assert code["tau"] == pytest.approx(1 + 18 / 12)  # counters summed over the 3 repeats
+    assert by[("st", "overall")]["lossless"] == {"identical": 2, "prompts": 3}
+    assert "lossless" not in by[("none", "code")]
+    assert by[("suffix", "overall")]["status"] == "skipped"
+    table = bench.format_table(rows)
+    assert "1/2" in table and "2.00x" in table and "needs arctic-inference" in table
+    json.dumps(rows)  # plain data
+
+
+def test_no_lossless_check_when_sampling():
+    out = {"code": {1: [[1]]}, "chat": {2: [[2]]}}
+    rows = bench.summarize([_result("none", "none", [1.0], out), _result("st", "suffix_tree", [1.0], out)], 0.7)
+    assert all("lossless" not in r for r in rows)
+
+
+def test_plot_writes_pngs(tmp_path):
+    out = {"code": {1: [[1]]}, "chat": {2: [[2]]}}
+    counters = SpecCounters(drafts=2, draft_tokens=8, accepted=2, accepted_per_pos=[1, 1, 0, 0])
+    rows = bench.summarize([_result("none", "none", [1.0], out), _result("st", "suffix_tree", [2.0], out, counters)],
+                           0.0)
+    paths = bench.plot(rows, tmp_path)
+    assert [p.name for p in paths] == ["speedup.png", "tau.png", "acceptance.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_load_questions_limits_per_category(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "ab"[i % 2], "turns": [f"q{i}"]})
+                              for i in range(7)))
+    grouped = bench.load_questions([str(path)], limit=2)
+    assert {c: [q["question_id"] for q in qs] for c, qs in grouped.items()} == {"a": [0, 2], "b": [1, 3]}
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    assert bench.main(["--methods", "suffix_tree:{oops}", "--prompts", "x"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert bench.main(["--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1" in capsys.readouterr().err

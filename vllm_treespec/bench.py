@@ -1,0 +1,610 @@
+"""``vllm-treespec bench``: is a speculative method exactly as correct as no speculation, and how much faster?
+
+Offline (``LLM.generate``) comparison of speculative methods on question files in the ``question.jsonl`` format
+(``question_id``, ``category``, ``turns``). Every method runs in one invocation on a fresh engine of its own, and
+no speculation always runs first as the baseline. Per category and overall it reports
+
+* tau: mean tokens committed per verify step, bonus included: ``1 + accepted / drafts`` from vLLM's spec-decode
+  counters (vLLM counts a draft per request per step that had one, so steps where the proposer found nothing are
+  not in the denominator);
+* per-position acceptance: ``vllm:spec_decode_num_accepted_tokens_per_pos[k] / drafts``;
+* tok/s (output tokens / wall time of the generate calls) and decode tok/s (tokens after the first / time from
+  the first to the last token of each generate call, from vLLM's request timestamps);
+* speedup: tok/s over the baseline's tok/s, measured in the same invocation;
+* lossless: prompts whose greedy output is token-identical to the baseline's, every turn (temperature 0 only).
+
+Timed runs exclude a warm-up generation. With ``--repeats R`` every repeat runs on a fresh engine (so no proposer
+state, such as suffix_tree's store of finished outputs, carries over) and the median of the throughputs is reported.
+
+``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.bench_serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+BASELINE = "none"
+DEFAULT_METHODS = ('none;'
+                   'ngram:{"num_speculative_tokens":5,"prompt_lookup_max":4,"prompt_lookup_min":2};'
+                   'suffix:{"num_speculative_tokens":32};'
+                   'suffix_tree:{"num_speculative_tokens":32};'
+                   'ngram_tree:{"num_speculative_tokens":32}')
+PROMPT_SET_ALIASES = {"human_eval": "humaneval", "mtbench": "mt_bench", "mt-bench": "mt_bench"}
+#: vLLM methods that need a package vLLM does not depend on: (module, pip name).
+OPTIONAL_DEPENDENCIES = {"suffix": ("arctic_inference", "arctic-inference")}
+WARMUP_PROMPT = "Count from one to twenty in words, separated by commas."
+
+METHODS_HELP = f"""\
+methods: ';'-separated entries [LABEL=]METHOD[:JSON], where METHOD is 'none' (no speculation), a vLLM method
+(ngram, suffix, ...), a tree method of vllm-treespec (suffix_tree, ngram_tree, static_tree, graft, ...) or a dotted
+path to a TreeProposer subclass, and JSON is an object of speculative_config keys (num_speculative_tokens, vLLM's
+options, the method's own options). LABEL names the row (default METHOD); use it to compare one method with
+different options. 'none' is added first when missing. Quote the whole value in the shell, e.g.
+  --methods 'none;ngram:{{"num_speculative_tokens":5,"prompt_lookup_max":4}};st16=suffix_tree:{{"num_speculative_tokens":16}}'
+default: {DEFAULT_METHODS}"""
+
+
+class BenchError(ValueError):
+    """A bad bench argument; the message says which and why."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Methods
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.method == BASELINE
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        return None if self.is_baseline else {"method": self.method, **self.options}
+
+
+_ENTRY = re.compile(r"\s*(?:([A-Za-z0-9_.\-]+)=)?([A-Za-z0-9_.\-]+)\s*")
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """Parse ``[LABEL=]METHOD[:JSON]`` entries separated by ``;`` (JSON may itself contain ``;`` inside strings)."""
+    decoder = json.JSONDecoder()
+    specs: list[MethodSpec] = []
+    pos = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\n;":
+            pos += 1
+        if pos >= len(text):
+            break
+        m = _ENTRY.match(text, pos)
+        if not m or not m.group(2):
+            raise BenchError(f"--methods: expected [LABEL=]METHOD[:JSON] at column {pos + 1}: {text[pos:pos + 40]!r}")
+        label, method = m.group(1) or m.group(2), m.group(2)
+        pos = m.end()
+        options: Any = {}
+        if text.startswith(":", pos):
+            start = pos + 1
+            while start < len(text) and text[start].isspace():
+                start += 1
+            try:
+                options, pos = decoder.raw_decode(text, start)
+            except json.JSONDecodeError as e:
+                raise BenchError(f"--methods: options of {label!r} are not valid JSON ({e.msg} at column "
+                                 f"{e.pos + 1})") from None
+            if not isinstance(options, dict):
+                raise BenchError(f"--methods: options of {label!r} must be a JSON object, got {options!r}")
+            if "method" in options:
+                raise BenchError(f"--methods: options of {label!r} must not repeat 'method'; write METHOD:JSON")
+        while pos < len(text) and text[pos] in " \t\n":
+            pos += 1
+        if pos < len(text) and text[pos] != ";":
+            raise BenchError(f"--methods: expected ';' after {label!r} at column {pos + 1}: {text[pos:pos + 40]!r}")
+        if method == BASELINE and options:
+            raise BenchError("--methods: 'none' takes no options")
+        specs.append(MethodSpec(label, method, options))
+    labels = [s.label for s in specs]
+    duplicates = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicates:
+        raise BenchError(f"--methods: duplicate label(s) {duplicates}; name rows with LABEL=METHOD:JSON")
+    if not any(s.is_baseline for s in specs):
+        specs.insert(0, MethodSpec(BASELINE, BASELINE))
+    else:  # the baseline runs first, so a failure of it stops the bench before the slow part
+        specs.sort(key=lambda s: not s.is_baseline)
+    return specs
+
+
+def unavailable_reason(spec: MethodSpec) -> str | None:
+    """Why ``spec`` cannot run here (a missing optional package), or None."""
+    need = OPTIONAL_DEPENDENCIES.get(spec.method)
+    if need is None:
+        return None
+    import importlib.util
+
+    module, pip_name = need
+    return None if importlib.util.find_spec(module) else f"vLLM's {spec.method!r} method needs {pip_name}"
+
+
+def check_method(spec: MethodSpec) -> None:
+    """Validate a tree method's options now, so that a typo fails before the baseline has run for minutes."""
+    if spec.is_baseline:
+        return
+    from vllm_treespec.config import TreeSpecConfigError, translate
+
+    try:
+        translate(spec.speculative_config(), None)
+    except TreeSpecConfigError as e:
+        raise BenchError(f"--methods {spec.label!r}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def load_questions(names: Sequence[str], limit: int | None) -> dict[str, list[dict]]:
+    """Questions grouped by category (in first-seen order), at most ``limit`` per category."""
+    from vllm_treespec.data import load_prompt_set
+
+    by_category: dict[str, list[dict]] = {}
+    for name in names:
+        for q in load_prompt_set(PROMPT_SET_ALIASES.get(name, name)):
+            questions = by_category.setdefault(q["category"], [])
+            if limit is None or len(questions) < limit:
+                questions.append(q)
+    if not by_category:
+        raise BenchError("--prompts selected no questions")
+    return by_category
+
+
+@dataclass
+class Conversation:
+    """One question played turn by turn; ``answers`` holds the model's text and token ids of each turn so far."""
+
+    question: dict
+    answers: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    def messages(self, turn: int) -> list[dict[str, str]]:
+        messages = []
+        for t in range(turn):
+            messages += [{"role": "user", "content": self.question["turns"][t]},
+                         {"role": "assistant", "content": self.answers[t]}]
+        return messages + [{"role": "user", "content": self.question["turns"][turn]}]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM's spec-decode counters
+
+
+@dataclass
+class SpecCounters:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, -1)
+
+    def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
+        b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
+        return SpecCounters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+                            self.accepted + sign * other.accepted, [x + sign * y for x, y in zip(a, b)])
+
+    @property
+    def tau(self) -> float | None:
+        return 1 + self.accepted / self.drafts if self.drafts else None
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        return [x / self.drafts for x in self.accepted_per_pos] if self.drafts else []
+
+
+_COUNTER_FIELDS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+                   "vllm:spec_decode_num_accepted_tokens": "accepted"}
+
+
+def read_counters(metrics: Iterable[Any]) -> SpecCounters:
+    """Sum vLLM's spec-decode counters over label sets (engines) from ``llm.get_metrics()``."""
+    counters = SpecCounters()
+    for metric in metrics:
+        name = _COUNTER_FIELDS.get(metric.name)
+        if name is not None:
+            setattr(counters, name, getattr(counters, name) + int(metric.value))
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            counters = counters + SpecCounters(accepted_per_pos=[int(v) for v in metric.values])
+    return counters
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running one method
+
+
+@dataclass
+class CategoryRun:
+    """One timed pass over a category's questions."""
+
+    elapsed_s: float = 0.0
+    output_tokens: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    requests: int = 0
+    counters: SpecCounters = field(default_factory=SpecCounters)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def __add__(self, other: CategoryRun) -> CategoryRun:
+        return CategoryRun(self.elapsed_s + other.elapsed_s, self.output_tokens + other.output_tokens,
+                           self.decode_tokens + other.decode_tokens, self.decode_s + other.decode_s,
+                           self.requests + other.requests, self.counters + other.counters)
+
+
+@dataclass
+class MethodResult:
+    spec: MethodSpec
+    status: str = "ok"  # ok | skipped | failed
+    reason: str = ""
+    #: repeats[r][category]
+    repeats: list[dict[str, CategoryRun]] = field(default_factory=list)
+    #: outputs[category][question_id] = token ids per turn (first repeat)
+    outputs: dict[str, dict[Any, list[list[int]]]] = field(default_factory=dict)
+    engine_start_s: list[float] = field(default_factory=list)
+
+
+def _batches(items: list, size: int) -> Iterable[list]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def run_category(llm, tokenizer, questions: list[dict], params, batch_size: int, max_turns: int,
+                 progress=None) -> tuple[CategoryRun, dict[Any, list[list[int]]]]:
+    """Play every question of one category (turn by turn, ``batch_size`` prompts per generate call) and measure."""
+    run = CategoryRun()
+    before = read_counters(llm.get_metrics())
+    conversations = [Conversation(q) for q in questions]
+    for turn in range(max_turns):
+        active = [c for c in conversations if turn < len(c.question["turns"])]
+        for batch in _batches(active, batch_size):
+            prompts = [tokenizer.apply_chat_template(c.messages(turn), tokenize=False, add_generation_prompt=True)
+                       for c in batch]
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            run.elapsed_s += time.perf_counter() - started
+            first_ts, last_ts = [], []
+            for conv, out in zip(batch, outputs):
+                completion = out.outputs[0]
+                conv.answers.append(completion.text)
+                conv.token_ids.append(list(completion.token_ids))
+                run.output_tokens += len(completion.token_ids)
+                run.decode_tokens += max(len(completion.token_ids) - 1, 0)
+                run.requests += 1
+                if out.metrics is not None and out.metrics.first_token_ts > 0:
+                    first_ts.append(out.metrics.first_token_ts)
+                    last_ts.append(out.metrics.last_token_ts)
+            if first_ts:
+                run.decode_s += max(last_ts) - min(first_ts)
+            if progress is not None:
+                progress.update(len(batch))
+    run.counters = read_counters(llm.get_metrics()) - before
+    return run, {c.question["question_id"]: c.token_ids for c in conversations}
+
+
+def build_llm(model: str, spec: MethodSpec, args: argparse.Namespace):
+    from vllm import LLM
+
+    return LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max(args.batch_size, 1),
+               speculative_config=spec.speculative_config(), disable_log_stats=False, seed=args.seed,
+               enforce_eager=args.enforce_eager)
+
+
+def run_method(model: str, tokenizer, spec: MethodSpec, questions: dict[str, list[dict]],
+               args: argparse.Namespace) -> MethodResult:
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    result = MethodResult(spec)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed if args.temperature > 0 else None)
+    per_repeat = sum(min(len(q["turns"]), args.turns) for qs in questions.values() for q in qs)
+    with tqdm(total=per_repeat * args.repeats, desc=f"{spec.label:>12}", unit="req", file=sys.stderr,
+              dynamic_ncols=True) as progress:
+        for repeat in range(args.repeats):
+            started = time.perf_counter()
+            llm = build_llm(model, spec, args)
+            try:
+                result.engine_start_s.append(time.perf_counter() - started)
+                warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
+                                                       add_generation_prompt=True)
+                llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
+                             use_tqdm=False)
+                runs: dict[str, CategoryRun] = {}
+                for category, qs in questions.items():
+                    progress.set_postfix_str(category)
+                    runs[category], outputs = run_category(llm, tokenizer, qs, params, args.batch_size, args.turns,
+                                                           progress)
+                    if repeat == 0:
+                        result.outputs[category] = outputs
+                result.repeats.append(runs)
+            finally:
+                del llm
+                gc.collect()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summary
+
+
+OVERALL = "overall"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _lossless(result: MethodResult, baseline: MethodResult, category: str) -> tuple[int, int]:
+    ours, ref = result.outputs.get(category, {}), baseline.outputs.get(category, {})
+    same = sum(1 for qid, tokens in ours.items() if ref.get(qid) == tokens)
+    return same, len(ours)
+
+
+def summarize(results: list[MethodResult], temperature: float) -> list[dict[str, Any]]:
+    """One row per (method, category) and per method overall, as plain data (what the JSON and the table show)."""
+    baseline = next(r for r in results if r.spec.is_baseline)
+    categories = list(baseline.repeats[0]) if baseline.repeats else []
+
+    def runs_of(result: MethodResult, category: str) -> list[CategoryRun]:
+        if category == OVERALL:
+            total = []
+            for rep in result.repeats:
+                acc = CategoryRun()
+                for run in rep.values():
+                    acc = acc + run
+                total.append(acc)
+            return total
+        return [rep[category] for rep in result.repeats if category in rep]
+
+    base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
+    rows = []
+    for result in results:
+        if result.status != "ok":
+            rows.append({"method": result.spec.label, "category": OVERALL, "status": result.status,
+                         "reason": result.reason})
+            continue
+        for category in categories + [OVERALL]:
+            runs = runs_of(result, category)
+            counters = SpecCounters()
+            for run in runs:
+                counters = counters + run.counters
+            speed = _median([r.tok_per_s for r in runs])
+            row = {
+                "method": result.spec.label, "category": category, "status": "ok",
+                "requests": runs[0].requests if runs else 0,
+                "output_tokens": runs[0].output_tokens if runs else 0,
+                "tau": counters.tau,
+                "acceptance_per_pos": counters.acceptance_per_pos,
+                "drafts": counters.drafts, "draft_tokens": counters.draft_tokens, "accepted_tokens": counters.accepted,
+                "tok_per_s": speed,
+                "decode_tok_per_s": _median([r.decode_tok_per_s for r in runs]),
+                "tok_per_s_repeats": [r.tok_per_s for r in runs],
+                "speedup": speed / base_speed[category] if base_speed.get(category) else None,
+            }
+            if temperature == 0 and not result.spec.is_baseline:
+                if category == OVERALL:
+                    pairs = [_lossless(result, baseline, c) for c in categories]
+                    same, total = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+                else:
+                    same, total = _lossless(result, baseline, category)
+                row["lossless"] = {"identical": same, "prompts": total}
+            rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict[str, Any]], positions: int = 4) -> str:
+    header = ["method", "category", "reqs", "tau", f"accept@1..{positions}", "tok/s", "decode tok/s", "speedup",
+              "lossless"]
+    table = [header]
+    notes = []
+    for row in rows:
+        if row["status"] != "ok":
+            notes.append(f"{row['method']}: {row['status']} ({row['reason']})")
+            continue
+        accept = "/".join(f"{a:.2f}" for a in row["acceptance_per_pos"][:positions]) or "-"
+        lossless = row.get("lossless")
+        table.append([row["method"], row["category"], str(row["requests"]), _fmt(row["tau"], ".2f"), accept,
+                      _fmt(row["tok_per_s"], ".1f"), _fmt(row["decode_tok_per_s"], ".1f"),
+                      _fmt(row["speedup"], ".2f") + ("x" if row["speedup"] is not None else ""),
+                      f"{lossless['identical']}/{lossless['prompts']}" if lossless else "-"])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+             for r in table]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines + notes)
+
+
+def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """speedup.png and tau.png (bars per category, one per method) and acceptance.png (overall, per position)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    categories = list(dict.fromkeys(r["category"] for r in ok))
+    paths = []
+    for key, title, fname in (("speedup", "speedup vs no speculation", "speedup.png"),
+                              ("tau", "tau: tokens per verify step (bonus included)", "tau.png")):
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) * max(len(methods), 1) * 0.35 + 3), 4))
+        width = 0.8 / max(len(methods), 1)
+        for i, method in enumerate(methods):
+            values = {r["category"]: r.get(key) for r in ok if r["method"] == method}
+            xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(categories))]
+            ax.bar(xs, [values.get(c) or 0.0 for c in categories], width, label=method)
+        if key == "speedup":
+            ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in ok:
+        if row["category"] == OVERALL and row["acceptance_per_pos"]:
+            ax.plot(range(1, len(row["acceptance_per_pos"]) + 1), row["acceptance_per_pos"], marker=".",
+                    label=row["method"])
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / drafts")
+    ax.set_title("per-position acceptance (overall)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / "acceptance.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-treespec bench", description=__doc__, epilog=METHODS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", default="mt_bench,humaneval",
+                        help="comma-separated prompt sets (mt_bench, humaneval, sharegpt) or question.jsonl paths")
+    parser.add_argument("--limit", type=int, default=None, help="at most N questions per category")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="turns to play per question (MT-Bench has 2; later turns see the model's own answers)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help="methods to compare (syntax below)")
+    parser.add_argument("--dtype", default="float32", help="float32 makes greedy outputs exactly comparable")
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the lossless check needs it)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip torch.compile (starts in seconds instead of minutes on a cold compile cache)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed repeats, each on a fresh engine; median reported")
+    parser.add_argument("--out", default="bench_out", help="folder for results.json and the PNG plots")
+    parser.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("batch_size", "max_tokens", "repeats", "turns", "max_model_len"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.limit is not None and args.limit < 1:
+        raise BenchError(f"--limit must be >= 1, got {args.limit}")
+    if args.temperature < 0:
+        raise BenchError(f"--temperature must be >= 0, got {args.temperature}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from vllm_treespec.bench_serve import main as serve_main
+
+        return serve_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BenchError as e:
+        print(f"vllm-treespec bench: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from vllm_treespec.cli import cpu_memory_defaults
+
+    cpu_memory_defaults()
+    specs = parse_methods(args.methods)
+    for spec in specs:
+        check_method(spec)
+    questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], args.limit)
+    if args.model is None:
+        from vllm_treespec.models import ensure_smollm2
+
+        args.model = str(ensure_smollm2())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"bench: {sum(map(len, questions.values()))} questions in {len(questions)} categories, "
+          f"methods {[s.label for s in specs]}, model {args.model} ({args.dtype})", file=sys.stderr)
+
+    results: list[MethodResult] = []
+    for spec in specs:
+        reason = unavailable_reason(spec)
+        if reason:
+            print(f"bench: skipping {spec.label}: {reason}", file=sys.stderr)
+            results.append(MethodResult(spec, status="skipped", reason=reason))
+            continue
+        try:
+            results.append(run_method(args.model, tokenizer, spec, questions, args))
+        except Exception as e:  # one broken method must not lose the others' results
+            if spec.is_baseline:
+                raise
+            print(f"bench: {spec.label} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            results.append(MethodResult(spec, status="failed", reason=f"{type(e).__name__}: {e}"))
+
+    rows = summarize(results, args.temperature)
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "verbose"},
+        "categories": {c: len(qs) for c, qs in questions.items()},
+        "methods": [{"label": r.spec.label, "method": r.spec.method, "speculative_config": r.spec.speculative_config(),
+                     "status": r.status, "reason": r.reason, "engine_start_s": r.engine_start_s} for r in results],
+        "rows": rows,
+    }
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    table = format_table(rows)
+    (out_dir / "table.txt").write_text(table + "\n")
+    print(table)
+    paths = plot(rows, out_dir)
+    print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'table.txt'}, " + ", ".join(str(p) for p in paths))
+    broken = [r for r in rows if r.get("lossless") and r["category"] == OVERALL
+              and r["lossless"]["identical"] != r["lossless"]["prompts"]]
+    return 1 if broken and args.dtype == "float32" else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
