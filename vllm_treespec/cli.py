@@ -21,25 +21,26 @@ def cpu_memory_defaults() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
 
 
+_metadata_version = importlib.metadata.version  # serve() replaces the module attribute; keep the real one
+
+
 def _vllm_distribution_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    raise importlib.metadata.PackageNotFoundError("vllm")
+    """The installed vLLM's version; vllm-cpu's gets ``+cpu`` as vLLM's own platform detection does for it."""
+    try:
+        return _metadata_version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return _metadata_version("vllm-cpu") + "+cpu"
 
 
 def serve(argv: Sequence[str]) -> int:
     """Run ``vllm serve`` through vLLM's own CLI. Under vllm-cpu the distribution is named ``vllm-cpu`` and vLLM's CLI
     asks for ``version("vllm")`` while building its parser; answer that question with whichever vLLM is installed."""
     cpu_memory_defaults()
-    original_version = importlib.metadata.version
 
     def version(name: str) -> str:
         if name == "vllm":
             return _vllm_distribution_version()
-        return original_version(name)
+        return _metadata_version(name)
 
     importlib.metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main
