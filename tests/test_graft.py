@@ -1,0 +1,391 @@
+"""graft: prune-then-graft trees through the public API with a fake ProposeContext, its options, calibration and
+online successor learning; one end-to-end run on the embedded SmolLM2 model (fp32 greedy identical to no spec)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import msgspec
+import numpy as np
+import pytest
+
+from vllm_treespec.api import DraftTree, ProposeContext, VerificationResult, load_proposer_class
+from vllm_treespec.config import TreeSpecConfigError, parse_options
+from vllm_treespec.proposers.graft import (BudgetCurve, DraftGrowth, DraftLevel, GraftOptions, GraftProposer,
+                                           ModelDrafter, assemble, load_calibration)
+from vllm_treespec.proposers.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
+                                                     calibrate_from, replay)
+from vllm_treespec.retrieval import RetrievedTree
+
+VOCAB = 64
+
+
+def make_ctx(contexts, sampled=None, req_ids=None, max_nodes=16) -> ProposeContext:
+    width = max(len(c) for c in contexts) + 4
+    token_ids = np.zeros((len(contexts), width), np.int64)
+    for i, c in enumerate(contexts):
+        token_ids[i, : len(c)] = c
+    sampled = sampled if sampled is not None else [[int(c[-1])] for c in contexts]
+    req_ids = req_ids or [f"r{i}" for i in range(len(contexts))]
+    return ProposeContext(req_ids=list(req_ids), sampled_token_ids=sampled,
+                          num_tokens=np.array([len(c) for c in contexts]), token_ids=token_ids, max_nodes=max_nodes)
+
+
+def proposer(**options) -> GraftProposer:
+    return GraftProposer(None, GraftOptions(**options), vocab_size=VOCAB)
+
+
+def edges(tree: DraftTree) -> list[tuple[int, int]]:
+    """(parent's path as a tuple, token) of every node: identical paths share an entry."""
+    paths: list[tuple[int, ...]] = []
+    out = []
+    for t, p in zip(tree.token_ids.tolist(), tree.parents.tolist()):
+        prefix = paths[p] if p >= 0 else ()
+        out.append((prefix, t))
+        paths.append(prefix + (t,))
+    return out
+
+
+def repetitive(rng, n=60) -> list[int]:
+    motif = rng.integers(1, VOCAB, 7).tolist()
+    return [int(x) for x in (motif * (n // 7 + 1))[:n]]
+
+
+def test_builtin_name_resolves():
+    assert load_proposer_class("graft") is GraftProposer
+    assert GraftProposer.options_type is GraftOptions and GraftProposer.wants_target_logits
+
+
+@pytest.mark.parametrize("position", ["root", "deepest", "both"])
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_trees_are_valid_deduplicated_and_within_budget(position, budget):
+    rng = np.random.default_rng(budget)
+    p = proposer(budget=budget, graft_position=position, adaptive_budget=False)
+    # teach the successor table a little so that every source has something to say
+    p.learn_successors(np.arange(VOCAB), rng.integers(0, VOCAB, (VOCAB, 4)), np.full((VOCAB, 4), 0.3))
+    contexts = [repetitive(rng), rng.integers(0, VOCAB, 40).tolist(), [5, 6, 5, 6, 5], [9]]
+    for step in range(3):
+        ctx = make_ctx([c + [step] for c in contexts], max_nodes=16)
+        for tree in p.propose_trees(ctx):
+            assert tree is not None and 0 < tree.num_nodes <= budget
+            pairs = edges(tree)
+            assert len(set(pairs)) == len(pairs)  # no two nodes share a path
+            assert np.all((tree.node_probs > 0) & (tree.node_probs <= 1 + 1e-6))
+            assert tree.token_ids.max() < VOCAB
+    assert p.stats.trees == 12
+
+
+def test_partial_prefill_rows_get_no_tree_and_verify_budget_caps():
+    p = proposer(budget=32, adaptive_budget=False)
+    ctx = make_ctx([[1, 2, 3, 1, 2], [4, 5]], sampled=[[2], []], max_nodes=3)
+    trees = p.propose_trees(ctx)
+    assert trees[1] is None
+    assert trees[0].num_nodes <= 3 and trees[0].token_ids.tolist()[0] == 3
+
+
+def test_assemble_merges_identical_paths_and_keeps_the_draft():
+    draft = DraftGrowth(budget=6, checkpoints={}, max_depth=8)
+    draft.add_level(DraftLevel(np.array([10, 11]), np.array([-1, -1]), np.log([0.6, 0.3])))
+    draft.add_level(DraftLevel(np.array([12]), np.array([0]), np.log([0.5])))
+    # a graft repeating the draft's path 10 -> 12 and adding 10 -> 12 -> 13 and 14
+    graft = RetrievedTree(np.array([10, 14, 12, 13]), np.array([-1, -1, 0, 2]),
+                          np.array([0.9, 0.05, 0.9, 0.9], np.float32))
+    tree = assemble(draft, [(-1, graft)], budget=5)
+    assert tree.num_nodes == 5
+    paths = {tuple(tree.token_ids[tree.path_to(i)].tolist()) for i in range(tree.num_nodes)}
+    assert paths == {(10,), (11,), (10, 12), (10, 12, 13), (14,)}
+    # the merged node keeps the better confidence (0.9 from the graft rather than 0.6 from the draft)
+    first = int(np.nonzero(tree.token_ids == 10)[0][0])
+    assert first == 0 and tree.node_probs[0] == pytest.approx(0.9)
+    # a tight budget drops grafted nodes, never the draft
+    small = assemble(draft, [(-1, graft)], budget=3)
+    assert sorted(small.token_ids.tolist()) == [10, 11, 12]
+
+
+def test_grafting_at_the_deepest_draft_node():
+    draft = DraftGrowth(budget=5, checkpoints={}, max_depth=8)
+    draft.add_level(DraftLevel(np.array([1, 2]), np.array([-1, -1]), np.log([0.5, 0.4])))
+    draft.add_level(DraftLevel(np.array([3]), np.array([1]), np.log([0.5])))
+    assert draft.deepest() == 2 and draft.path_tokens(2) == [2, 3]
+    tree = assemble(draft, [(2, RetrievedTree(np.array([7, 8]), np.array([-1, 0]), np.array([1.0, 1.0], np.float32)))],
+                    budget=5)
+    paths = {tuple(tree.token_ids[tree.path_to(i)].tolist()) for i in range(tree.num_nodes)}
+    assert paths == {(1,), (2,), (2, 3), (2, 3, 7), (2, 3, 7, 8)}
+
+
+def test_pruning_stops_the_draft_and_frees_budget_for_grafting():
+    # suffix: a long repeated chain of single occurrences (confidence 1); successor table: a chain of 0.2s
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 1]
+    chain = [1] + list(range(10, 20))  # successor table: 1 -> 10 -> 11 -> ... -> 19, each with probability 0.2
+    learn = (np.array(chain[:-1]), np.array(chain[1:])[:, None], np.full((len(chain) - 1, 1), 0.2))
+    p = proposer(budget=8, sources=("successor", "suffix"), checkpoints=(1,), thresholds=(0.5,),
+                 adaptive_budget=False)
+    p.learn_successors(np.array([1]), np.array([[40, 41]]), np.array([[0.2, 0.1]]))
+    tree = p.propose_trees(make_ctx([context]))[0]
+    # the suffix source is more confident (1.0 > 0.2), drafts 2 3 4 ... and fills the budget: nothing pruned
+    assert p.stats.draft_source == {"suffix": 1} and p.stats.pruned == 0
+    assert tree.token_ids.tolist()[:7] == [2, 3, 4, 5, 6, 7, 8] and tree.num_nodes == 8
+
+    q = proposer(budget=8, sources=("successor",), checkpoints=(1,), thresholds=(0.5,), adaptive_budget=False)
+    q.learn_successors(*learn)
+    tree = q.propose_trees(make_ctx([context]))[0]
+    assert q.stats.pruned == 1 and tree.num_nodes == 1  # pruned at depth 1, nothing else to graft
+
+    r = proposer(budget=8, sources=("successor", "suffix"), checkpoints=(1,), thresholds=(0.5,),
+                 adaptive_budget=False)
+    r.learn_successors(*learn)
+    tree = r.propose_trees(make_ctx([[9, 9, 1]]))[0]  # suffix has no match: successor drafts, is pruned
+    assert r.stats.draft_source == {"successor": 1} and r.stats.pruned == 1 and tree.token_ids.tolist() == [10]
+    # without pruning the successor chain runs to the budget
+    s = proposer(budget=8, sources=("successor",), prune=False, adaptive_budget=False)
+    s.learn_successors(*learn)
+    assert s.propose_trees(make_ctx([context]))[0].token_ids.tolist() == list(range(10, 18))
+
+
+class ScriptedDrafter(ModelDrafter):
+    """Drafts a binary tree whose level confidences follow a script per row; records its calls."""
+
+    def __init__(self, level_probs: dict[int, list[float]]) -> None:
+        self.level_probs = level_probs
+        self.calls: list[list[int]] = []
+
+    def start(self, ctx, rows):
+        self.sizes = {i: 0 for i in rows}
+        self.depth = {i: 0 for i in rows}
+
+    def expand(self, rows, max_new):
+        self.calls.append(list(rows))
+        levels = []
+        for i, m in zip(rows, max_new):
+            d = self.depth[i]
+            probs = self.level_probs[i]
+            if d >= len(probs):
+                levels.append(None)
+                continue
+            width = 1 if d == 0 else 2
+            parents = np.full(width, self.sizes[i] - 1 if d else -1)
+            tokens = np.arange(width) + 50 + 2 * d
+            lp = np.log(np.array([probs[d], probs[d] / 2][:width]))
+            self.sizes[i] += min(width, m)
+            self.depth[i] += 1
+            levels.append(DraftLevel(tokens, parents, lp))
+        return levels
+
+
+def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
+    drafter = ScriptedDrafter({0: [0.9, 0.9, 0.9, 0.9], 1: [0.9, 0.1, 0.9, 0.9]})
+    p = GraftProposer(None, GraftOptions(budget=10, checkpoints=(1, 2), thresholds=(0.5, 0.5), adaptive_budget=False,
+                                         sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+    ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+    t0, t1 = p.propose_trees(ctx)
+    assert drafter.calls[0] == [0, 1] and drafter.calls[2] == [0]  # row 1 stopped after its second level
+    assert p.stats.pruned == 1
+    # row 0: 1 + 2 + 2 + ... draft nodes; row 1: 3 draft nodes (c = 0.9 * 0.1 < 0.5 at depth 2) + grafted 3 1 2 ...
+    assert set(t1.token_ids.tolist()) >= {50, 52, 53, 9}
+    assert 50 in t0.token_ids.tolist() and 9 not in t0.token_ids.tolist()
+    assert t0.num_nodes <= 10 and t1.num_nodes <= 10
+
+
+def test_eagle_checkpoint_without_a_drafter_is_refused(tmp_path):
+    ckpt = tmp_path / "eagle"
+    ckpt.mkdir()
+    with pytest.raises(NotImplementedError, match="eagle_checkpoint"):
+        GraftProposer(None, GraftOptions(eagle_checkpoint=str(ckpt)), vocab_size=VOCAB)
+
+
+def test_retrieval_only_is_logged_once():
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("vllm.treespec")
+    log.addHandler(handler)
+    try:
+        p = proposer(budget=4)
+        for _ in range(3):
+            p.propose_trees(make_ctx([[1, 2, 1]]))
+    finally:
+        log.removeHandler(handler)
+    assert sum("retrieval-only" in r.getMessage() for r in records) == 1
+
+
+def peaked_logits(best: list[int], prob_hint: float = 4.0):
+    import torch
+
+    logits = torch.zeros(len(best), VOCAB)
+    logits[torch.arange(len(best)), torch.tensor(best)] = prob_hint
+    return logits
+
+
+def test_successor_table_refreshes_from_every_verified_row():
+    import torch
+
+    p = proposer(budget=6, sources=("successor",), prune=False, adaptive_budget=False)
+    p.learn_successors(np.array([3]), np.array([[20, 21]]), np.array([[0.6, 0.3]]))
+    tree = p.propose_trees(make_ctx([[1, 2, 3]], req_ids=["a"]))[0]
+    assert tree.token_ids.tolist()[:2] == [20, 21]
+    # the target's rows: root (after 3) -> 30, after node 0 (20) -> 31, after node 1 (21, rejected) -> 32, ...
+    best = [30] + [31 + j for j in range(tree.num_nodes)]
+    logits = peaked_logits(best)
+    p.on_verified([VerificationResult("a", tree, accepted_nodes=[0], bonus_token=31, target_logits=logits)])
+    expected_p = float(torch.softmax(logits[0], -1)[30])
+    table = p.sources.successors
+    assert table.ids[3, 0] == 30 and table.probs[3, 0] == pytest.approx(expected_p, rel=1e-5)
+    assert table.ids[20, 0] == 31 and table.ids[21, 0] == 32  # the rejected node's row is learned too
+    # the next tree from root 3 follows the target's distribution
+    nxt = p.propose_trees(make_ctx([[1, 2, 3, 20, 3]], req_ids=["a"]))[0]
+    assert nxt.token_ids[0] == 30
+    # results without logits and for unknown requests are ignored
+    p.on_verified([VerificationResult("zzz", tree, [], 1, logits), VerificationResult("a", tree, [], 1, None)])
+
+
+def test_successor_rows_are_seeded_from_committed_tokens_without_overriding_the_target():
+    p = proposer(budget=4, sources=("successor",), prune=False, adaptive_budget=False)
+    p.learn_successors(np.array([7]), np.array([[9]]), np.array([[0.8]]))
+    p.propose_trees(make_ctx([[5, 6, 5, 6, 5, 8, 7, 1]], req_ids=["s"]))
+    table = p.sources.successors
+    assert table.ids[5, :2].tolist() == [6, 8] and table.probs[5, 0] == pytest.approx(0.5 * 2 / 3)
+    assert table.ids[7, 0] == 9 and table.probs[7, 0] == pytest.approx(0.8)  # the target's row stays
+    # later steps feed only the new tokens: 1 -> 2 is learned when committed
+    p.propose_trees(make_ctx([[5, 6, 5, 6, 5, 8, 7, 1, 2]], req_ids=["s"]))
+    assert table.ids[1, 0] == 2
+
+
+def test_adaptive_budget_shrinks_monotonically_with_batch_size():
+    default = BudgetCurve(32, knee_tokens=64)
+    values = [default(n) for n in range(1, 130)]
+    assert values[0] == 32 and all(a >= b for a, b in zip(values, values[1:])) and values[-1] == 0
+    table = BudgetCurve(32, table={1: 24, 4: 30, 8: 8, 32: 2})  # a noisy, non-monotone measured table
+    got = [table(n) for n in range(1, 64)]
+    assert got[0] == 24 and got[3] == 24 and got[7] == 8 and got[40] == 2
+    assert all(a >= b for a, b in zip(got, got[1:]))
+    assert BudgetCurve(32, knee_tokens=64, min_budget=3)(1000) == 3
+    assert BudgetCurve(32, adaptive=False)(1000) == 32
+    # through the proposer: larger batches get smaller trees
+    p = proposer(budget=16, knee_tokens=32)
+    rng = np.random.default_rng(0)
+    sizes = []
+    for n in (1, 2, 4, 8, 16):
+        trees = p.propose_trees(make_ctx([repetitive(rng) for _ in range(n)], max_nodes=16))
+        sizes.append(max(t.num_nodes for t in trees))
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 16 and sizes[-1] == 1
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({"budget": 0}, "budget"),
+    ({"thresholds": [0.5, 1.5], "checkpoints": [1, 2]}, "thresholds"),
+    ({"checkpoints": [2, 1], "thresholds": [0.1, 0.1]}, "checkpoints"),
+    ({"checkpoints": [1, 2], "thresholds": [0.1]}, "thresholds"),
+    ({"checkpoints": [1, 2]}, "thresholds"),
+    ({"sources": ["suffix", "bm25"]}, "sources"),
+    ({"sources": []}, "sources"),
+    ({"graft_position": "leaf"}, "graft_position"),
+    ({"datastore": "/nonexistent.ds"}, "datastore"),
+    ({"eagle_checkpoint": "/nonexistent/eagle"}, "eagle_checkpoint"),
+    ({"calibration_path": "/nonexistent.json"}, "calibration_path"),
+    ({"min_budget": -1}, "min_budget"),
+    ({"ngram_min_n": 3, "ngram_max_n": 2}, "ngram_max_n"),
+    ({"knee_tokens": "many"}, "knee_tokens"),
+    ({"prune_at": [1]}, "prune_at"),
+])
+def test_options_errors_name_the_field(raw, field):
+    with pytest.raises(TreeSpecConfigError, match=field):
+        parse_options("graft", GraftOptions, raw)
+
+
+def test_bad_calibration_file_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1, "checkpoints": [1], "thresholds": [2.0]}))
+    with pytest.raises(TreeSpecConfigError, match="calibration_path"):
+        parse_options("graft", GraftOptions, {"calibration_path": str(bad)})
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_calibration(bad)
+
+
+def test_accepted_path_is_the_longest_matching_root_path():
+    tree = DraftTree(np.array([1, 2, 3, 4, 5]), np.array([-1, -1, 0, 1, 3]))
+    assert accepted_path(tree, np.array([2, 4, 5, 9])) == [1, 3, 4]
+    assert accepted_path(tree, np.array([1, 3])) == [0, 2]
+    assert accepted_path(tree, np.array([7])) == []
+
+
+def synthetic_episodes(rng, n=6) -> list[Episode]:
+    """Outputs that repeat a motif (retrievable) with a slowly drifting successor distribution."""
+    episodes = []
+    for _ in range(n):
+        prompt = rng.integers(1, VOCAB, 12)
+        output = np.array(repetitive(rng, 50))
+        ids = np.stack([np.r_[output[1:], output[:1]], rng.integers(0, VOCAB, 50)], 1).astype(np.int32)
+        probs = np.tile(np.array([0.7, 0.2], np.float32), (50, 1))
+        episodes.append(Episode(prompt, output, ids, probs))
+    return episodes
+
+
+def test_replay_measures_coverage_and_learns():
+    eps = synthetic_episodes(np.random.default_rng(1))
+    r = replay(proposer(budget=8, adaptive_budget=False), eps, 8)
+    assert r.steps > 0 and r.mean_nodes <= 8
+    # every output token is committed once (+1 per episode whose last tree covered the rest: no bonus token there)
+    assert 0 <= r.steps + r.accepted - sum(len(e.output) - 1 for e in eps) <= len(eps)
+    assert r.coverage > 2  # motifs repeat: long accepted paths
+    none = replay(proposer(budget=8, sources=("ngram",), ngram_min_n=4, ngram_max_n=4, adaptive_budget=False),
+                  [Episode(np.array([1]), np.arange(2, 30), np.zeros((28, 1), np.int32),
+                           np.zeros((28, 1), np.float32))], 8)
+    assert none.accepted == 0 and none.steps == 27
+
+
+def test_calibration_round_trip(tmp_path):
+    eps = synthetic_episodes(np.random.default_rng(2))
+    step_ms = {1: 40.0, 4: 42.0, 16: 50.0, 32: 90.0, 64: 200.0}
+    cal = calibrate_from(eps, budget=16, vocab_size=VOCAB, step_ms=step_ms, batch_sizes=(1, 2, 4, 8, 16, 32))
+    sizes = sorted(cal.budget_by_batch)
+    budgets = [cal.budget_by_batch[s] for s in sizes]
+    assert budgets == sorted(budgets, reverse=True) and 0 < budgets[0] <= 16
+    assert cal.knee_tokens == 16
+    assert set(cal.report["variants"]) == {"position_root", "position_deepest", "position_both", "no_pruning",
+                                           "no_grafting"}
+    path = tmp_path / "cal.json"
+    path.write_bytes(msgspec.json.encode(cal))
+    p = GraftProposer(None, GraftOptions(calibration_path=str(path), budget=16), vocab_size=VOCAB)
+    assert p.checkpoints == dict(zip(cal.checkpoints, cal.thresholds))
+    assert [p.budget_curve(s) for s in sizes] == [min(b, 16) for b in budgets]
+
+
+def test_cost_model_and_budget_table():
+    cost = CostModel({1: 10.0, 8: 11.0, 16: 9.0, 32: 40.0})  # noise: 16 tokens measured cheaper than 8
+    assert cost(16) == pytest.approx(11.0) and cost(64) > cost(32) > cost(16)
+    assert cost.knee_tokens() == 16
+    from vllm_treespec.proposers.graft_calibrate import ReplayResult
+
+    by_budget = {4: ReplayResult(steps=10, accepted=10, nodes=40), 16: ReplayResult(steps=10, accepted=12, nodes=160)}
+    table = budget_table(by_budget, cost, (1, 2, 4, 16))
+    assert table[1] == 4 and table[16] == 0  # more nodes do not pay; at batch 16 any speculation costs more
+
+
+# --- end to end -----------------------------------------------------------------------------------------------------
+@pytest.mark.engine
+def test_engine_greedy_identical_to_no_speculation():
+    from vllm import SamplingParams
+
+    from engine_helpers import chat_prompts, close, make_llm, spec_counters, token_ids
+    from vllm_treespec.models import ensure_smollm2
+
+    model = str(ensure_smollm2())
+    prompts = chat_prompts(model, limit_mt=4, limit_he=4)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    base = make_llm(model)
+    try:
+        expected = token_ids(base.generate(prompts, params, use_tqdm=False))
+    finally:
+        close(base)
+    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "graft_position": "both"})
+    try:
+        got = token_ids(llm.generate(prompts, params, use_tqdm=False))  # batch 8
+        got1 = [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts[:2]]  # batch 1
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == expected
+    assert got1 == expected[:2]
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
