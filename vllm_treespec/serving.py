@@ -1,0 +1,306 @@
+"""The project's OpenAI server as a child process, for the load sweep, the soak and the reliability tests.
+
+:class:`ServerProcess` runs ``python -m vllm_treespec.cli serve MODEL --host 127.0.0.1 --port P ...`` in a process
+group of its own, waits for ``/health``, and on exit always stops the whole group (SIGTERM, then SIGKILL). It binds
+to the loopback address only, and every client in this project talks to it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Sequence
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or never became healthy; ``log_tail`` holds the end of its output."""
+
+    def __init__(self, message: str, returncode: int | None, log_tail: str) -> None:
+        super().__init__(f"{message}\n--- server output (tail) ---\n{log_tail}")
+        self.returncode = returncode
+        self.log_tail = log_tail
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: str, port: int, speculative_config: dict[str, Any] | None = None,
+                  extra_args: Sequence[str] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm_treespec.cli", "serve", model, "--host", LOOPBACK, "--port", str(port)]
+    if speculative_config is not None:
+        cmd += ["--speculative-config", json.dumps(speculative_config)]
+    return cmd + list(extra_args)
+
+
+class ServerProcess:
+    """``with ServerProcess(model, spec, ["--dtype", "float32"]) as server: server.url``"""
+
+    def __init__(self, model: str, speculative_config: dict[str, Any] | None = None,
+                 extra_args: Sequence[str] = (), port: int | None = None, log_path: str | os.PathLike | None = None,
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 600.0) -> None:
+        self.port = port or free_port()
+        self.command = serve_command(model, self.port, speculative_config, extra_args)
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="vllm-treespec-serve-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.process: subprocess.Popen | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> ServerProcess:
+        log = open(self.log_path, "wb")
+        try:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartError(f"server exited with status {code} during startup", code, self.log_tail())
+            if self.healthy(timeout_s=2.0):
+                return
+            time.sleep(0.5)
+        raise ServerStartError(f"server not healthy after {self.startup_timeout_s:.0f} s", None, self.log_tail())
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace_s``. Returns the exit status."""
+        if self.process is None:
+            return None
+        pgid = self.process.pid  # start_new_session: the group id is the child's pid
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=wait_s)
+                # the engine core and workers share the group; make sure none outlives the API server
+                time.sleep(0.2)
+            except subprocess.TimeoutExpired:
+                continue
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # --- observation ----------------------------------------------------------------------------------------------
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its descendants (API server, engine core, workers)."""
+        import psutil
+
+        if not self.alive():
+            return 0
+        try:
+            root = psutil.Process(self.process.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+
+class RssSampler:
+    """Samples :meth:`ServerProcess.rss_bytes` on a background thread every ``interval_s``."""
+
+    def __init__(self, server: ServerProcess, interval_s: float = 1.0) -> None:
+        import threading
+
+        self.server = server
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - start, self.server.rss_bytes()))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((self.samples[-1][0] if self.samples else 0.0, self.server.rss_bytes()))
+
+    def summary(self) -> dict[str, float]:
+        values = [v for _, v in self.samples if v > 0]
+        if not values:
+            return {"samples": 0}
+        mib = 1 << 20
+        return {"samples": len(values), "start_mib": values[0] / mib, "end_mib": values[-1] / mib,
+                "max_mib": max(values) / mib}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loopback HTTP client (aiohttp)
+
+
+class Reply:
+    """What one request got back: HTTP status, parsed body or assembled stream, and timings (seconds)."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.body: Any = None
+        self.error: str | None = None
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.chunks = 0
+        self.started = 0.0
+        self.first_token_s: float | None = None  # TTFT
+        self.chunk_gaps_s: list[float] = []  # inter-token (inter-chunk) latencies after the first
+        self.elapsed_s = 0.0
+        self.aborted = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def completion_tokens(self) -> int:
+        if self.usage and self.usage.get("completion_tokens") is not None:
+            return int(self.usage["completion_tokens"])
+        return len(self.token_ids)
+
+
+def _choice_delta(choice: dict) -> tuple[str, list[int]]:
+    if "delta" in choice:  # chat stream
+        text = (choice.get("delta") or {}).get("content") or ""
+    elif "message" in choice:  # chat, not streamed
+        text = (choice.get("message") or {}).get("content") or ""
+    else:  # completions
+        text = choice.get("text") or ""
+    return text, list(choice.get("token_ids") or [])
+
+
+async def request(session, url: str, payload: dict, abort_after_chunks: int | None = None,
+                  timeout_s: float = 300.0) -> Reply:
+    """POST ``payload`` to ``url``; stream it when ``payload["stream"]``. With ``abort_after_chunks`` the client
+    closes the connection after that many chunks (a client abort mid-stream). Never raises for HTTP or I/O errors:
+    they land in ``reply.status`` / ``reply.error``."""
+    import aiohttp
+
+    reply = Reply()
+    reply.started = time.perf_counter()
+    try:
+        async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            reply.status = resp.status
+            if resp.status != 200:
+                reply.body = await resp.text()
+                return reply
+            if not payload.get("stream"):
+                reply.body = await resp.json()
+                choice = reply.body["choices"][0]
+                reply.text, reply.token_ids = _choice_delta(choice)
+                reply.finish_reason = choice.get("finish_reason")
+                reply.usage = reply.body.get("usage")
+                reply.first_token_s = time.perf_counter() - reply.started
+                return reply
+            last = None
+            async for raw in resp.content:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if event.get("error"):
+                    reply.error = json.dumps(event["error"])[:500]
+                    break
+                if event.get("usage"):
+                    reply.usage = event["usage"]
+                for choice in event.get("choices") or []:
+                    text, ids = _choice_delta(choice)
+                    if text or ids:
+                        now = time.perf_counter()
+                        if last is None:
+                            reply.first_token_s = now - reply.started
+                        else:
+                            reply.chunk_gaps_s.append(now - last)
+                        last = now
+                        reply.text += text
+                        reply.token_ids += ids
+                        reply.chunks += 1
+                    if choice.get("finish_reason"):
+                        reply.finish_reason = choice["finish_reason"]
+                if abort_after_chunks is not None and reply.chunks >= abort_after_chunks:
+                    reply.aborted = True
+                    resp.close()
+                    break
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError, KeyError, IndexError) as e:
+        reply.error = f"{type(e).__name__}: {e}"
+    finally:
+        reply.elapsed_s = time.perf_counter() - reply.started
+    return reply
+
+
+def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {f"p{q}": None for q in qs}
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"p{q}": float(np.percentile(arr, q)) for q in qs}
