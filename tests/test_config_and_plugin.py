@@ -58,10 +58,12 @@ def test_vllm_methods_pass_through_and_dotted_paths_select_tree_mode():
 
 def test_patch_signatures_match_installed_vllm():
     from vllm_treespec.patches import EXPECTED_SIGNATURES, check_signatures, engine_args, model_runner
+    from vllm_treespec.patches import rejection_sampler
 
     engine_args.apply()
     model_runner.apply()
-    assert len(EXPECTED_SIGNATURES) == 6
+    rejection_sampler.apply()
+    assert len(EXPECTED_SIGNATURES) == 7
     assert check_signatures() == []
 
 
@@ -114,3 +116,18 @@ def test_plugin_register_is_idempotent_and_cheap():
         """, {"VLLM_TREESPEC_TREE_MODE": "0"})
     assert "ENABLED True TREE False" in result.stdout, result.stderr[-2000:]
     assert "RUNNER_IMPORTED False" in result.stdout
+
+
+def test_cpu_expand_fix_matches_reference_for_all_dtypes():
+    """vLLM's CPU expand kernel leaves float32/int32 outputs uninitialised; our replacement must be exact."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    from vllm_treespec.patches import rejection_sampler
+
+    rejection_sampler.apply()
+    for dtype in (torch.int32, torch.int64, torch.float32):
+        x = torch.tensor([4, 0, 7, 2], dtype=dtype)
+        cu = torch.tensor([3, 3, 5, 6], dtype=torch.int32)
+        out = rs.expand_batch_to_tokens(x, cu, 6, replace_from=0, replace_to=1)
+        assert out.tolist() == [4, 4, 4, 7, 7, 2] and out.dtype == dtype

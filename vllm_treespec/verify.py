@@ -330,3 +330,13 @@ class TreeVerifier:
             for req_id in req_ids:
                 self.pending.pop(req_id, None)
             self.proposer.on_requests_finished(set(req_ids))
+
+
+def verifier_report(worker: Any) -> dict[str, Any]:
+    """For ``LLM.collective_rpc``: the verifier's host-time breakdown and counters on this worker."""
+    verifier = getattr(worker.model_runner, "_treespec_verifier", None)
+    if verifier is None:
+        return {}
+    seconds = dict(verifier.timer.seconds)
+    seconds["mask_build"] = plan.build_seconds[0]
+    return {"seconds": seconds, "steps": verifier.timer.steps, **verifier.stats}

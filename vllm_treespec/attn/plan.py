@@ -6,6 +6,7 @@ backend's builder turns it into one plan per step that every layer reuses.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from vllm_treespec.tree import TreeBatch
 
 _current: dict = {"batch": None, "plans": {}}
+build_seconds = [0.0]  # host time spent building plans (reported by the overhead benchmark)
 
 
 def publish(batch: TreeBatch | None) -> None:
@@ -66,6 +68,8 @@ def current_plan(block_size: int, common_attn_metadata) -> TreeAttentionPlan | N
         return None
     plan = _current["plans"].get(block_size)
     if plan is None:
+        started = time.perf_counter()
         plan = build_plan(batch, common_attn_metadata.block_table_tensor, block_size)
         _current["plans"][block_size] = plan
+        build_seconds[0] += time.perf_counter() - started
     return plan

@@ -1,0 +1,91 @@
+"""Lossless sampling at T > 0: token distributions with tree speculation match sampling without it (chi-square)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import close, make_llm
+from vllm_treespec.sampling import sample_accept
+
+pytestmark = pytest.mark.engine
+
+NUM_SAMPLES = 1200
+MAX_TOKENS = 4
+
+
+def test_sample_accept_is_exact_on_a_known_distribution():
+    """Unit level: with a fixed target p at the root, the committed first token is distributed as p."""
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    probs = p.expand(4, 4).contiguous()  # root + 3 children rows
+    tokens = np.array([1, 0, 3])
+    parents = np.array([-1, -1, -1], np.int32)
+    generator = torch.Generator().manual_seed(0)
+    counts = Counter()
+    for _ in range(20000):
+        path, bonus = sample_accept(tokens, parents, probs, generator)
+        counts[int(tokens[path[0]]) if path else bonus] += 1
+    from scipy.stats import chisquare
+
+    observed = np.array([counts[i] for i in range(4)])
+    assert chisquare(observed, p.numpy() * observed.sum()).pvalue > 0.01
+
+
+def _sample(llm, prompt, params) -> list[tuple[int, ...]]:
+    outputs = llm.generate([prompt] * NUM_SAMPLES, params, use_tqdm=False)
+    return [tuple(o.outputs[0].token_ids) for o in outputs]
+
+
+def _homogeneity_pvalue(a: list, b: list) -> float:
+    from scipy.stats import chi2_contingency
+
+    counts_a, counts_b = Counter(a), Counter(b)
+    keys = sorted(set(counts_a) | set(counts_b), key=lambda k: -(counts_a[k] + counts_b[k]))
+    table, rest = [], [0, 0]
+    for k in keys:  # pool rare outcomes so every expected count is large enough
+        if counts_a[k] + counts_b[k] >= 20:
+            table.append([counts_a[k], counts_b[k]])
+        else:
+            rest[0] += counts_a[k]
+            rest[1] += counts_b[k]
+    if sum(rest):
+        table.append(rest)
+    assert len(table) >= 3, table
+    return float(chi2_contingency(np.array(table)).pvalue)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["one-hot drafts", "stochastic drafts"])
+def test_tree_sampling_matches_plain_sampling(stochastic, tmp_path):
+    from vllm import SamplingParams
+
+    from vllm_treespec.models import ensure_tiny_llama
+
+    model = str(ensure_tiny_llama())
+    prompt = "Once upon a time there was"
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True)
+    base = make_llm(model, max_num_seqs=64, max_model_len=256)
+    try:
+        plain = _sample(base, prompt, params)
+    finally:
+        close(base)
+    frequent = Counter(t for seq in plain for t in seq[1:]).most_common(6)
+    (tmp_path / "cand.json").write_text(json.dumps([t for t, _ in frequent]))
+    tree = make_llm(model, {"method": "testing_proposers.CandidateTreeProposer", "num_speculative_tokens": 15,
+                            "candidates_path": str(tmp_path / "cand.json"), "stochastic": stochastic},
+                    max_num_seqs=64, max_model_len=256)
+    try:
+        from engine_helpers import spec_counters
+
+        speculative = _sample(tree, prompt, params)
+        counters = spec_counters(tree)
+    finally:
+        close(tree)
+    assert counters["num_accepted_tokens"] > 0.2 * counters["num_drafts"], counters  # drafts really got accepted
+    for position in range(1, MAX_TOKENS):  # the first token comes from prefill; later ones from tree verification
+        p = _homogeneity_pvalue([s[position] for s in plain], [s[position] for s in speculative])
+        assert p > 0.01, (position, p)
+    assert _homogeneity_pvalue([s[1:3] for s in plain], [s[1:3] for s in speculative]) > 0.01

@@ -1,0 +1,78 @@
+"""Proposers used only by tests (imported by dotted path inside vLLM's worker processes)."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
+
+
+class CandidateTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    candidates_path: str  # JSON list of token ids the tree is built from
+    stochastic: bool = False  # draw a fresh random tree each step (else a fixed one)
+    seed: int = 0
+
+
+class CandidateTreeProposer(TreeProposer):
+    """A 3-wide, 3-deep tree over a small candidate set: plausible enough to be accepted often, wrong often enough to
+    exercise rejection. Deterministic (one-hot) or random per step (stochastic drafts)."""
+
+    options_type = CandidateTreeOptions
+
+    def __init__(self, vllm_config=None, options=None) -> None:
+        super().__init__(vllm_config, options)
+        self.candidates = np.array(json.load(open(self.options.candidates_path)), np.int64)
+        self.rng = np.random.default_rng(self.options.seed)
+
+    def _pick(self, k: int) -> np.ndarray:
+        if self.options.stochastic:
+            return self.rng.choice(self.candidates, size=k, replace=False)
+        return self.candidates[:k]
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        trees = []
+        for i in range(ctx.num_reqs):
+            if not ctx.needs_draft(i):
+                trees.append(None)
+                continue
+            tokens, parents = list(self._pick(3)), [-1, -1, -1]
+            for level_parent in range(3):  # two children under each root child
+                for t in self._pick(2):
+                    tokens.append(t)
+                    parents.append(level_parent)
+            for p in range(3, 9):  # one grandchild under each
+                tokens.append(self._pick(1)[0])
+                parents.append(p)
+            trees.append(DraftTree(np.array(tokens), np.array(parents)))
+        return trees
+
+
+class RandomTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    num_nodes: int = 64
+    seed: int = 0
+
+
+class RandomTreeProposer(TreeProposer):
+    """Random trees of exactly ``num_nodes`` nodes whose tokens come from the request's own recent text (so some
+    get accepted): a fixed-size load for overhead measurements."""
+
+    options_type = RandomTreeOptions
+
+    def __init__(self, vllm_config=None, options=None) -> None:
+        super().__init__(vllm_config, options)
+        self.rng = np.random.default_rng(self.options.seed)
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        n = self.options.num_nodes
+        trees = []
+        for i in range(ctx.num_reqs):
+            if not ctx.needs_draft(i):
+                trees.append(None)
+                continue
+            recent = ctx.committed(i)[-64:]
+            parents = np.array([-1] + [int(self.rng.integers(-1, j)) for j in range(1, n)], np.int32)
+            trees.append(DraftTree(self.rng.choice(recent, size=n), parents).breadth_first())
+        return trees
