@@ -188,8 +188,9 @@ class RssSampler:
         if not values:
             return {"samples": 0}
         mib = 1 << 20
-        return {"samples": len(values), "start_mib": values[0] / mib, "end_mib": values[-1] / mib,
-                "max_mib": max(values) / mib}
+        # the KV cache's pages count once first touched, so RSS climbs early; a leak keeps climbing after mid-run
+        return {"samples": len(values), "start_mib": values[0] / mib, "mid_mib": values[len(values) // 2] / mib,
+                "end_mib": values[-1] / mib, "max_mib": max(values) / mib}
 
 
 # ----------------------------------------------------------------------------------------------------------------

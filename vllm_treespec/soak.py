@@ -218,7 +218,8 @@ class SoakReport:
 
     def summary(self) -> str:
         rss = self.rss
-        mem = (f"RSS start {rss['start_mib']:.0f} MiB, end {rss['end_mib']:.0f} MiB, max {rss['max_mib']:.0f} MiB "
+        mem = (f"RSS start {rss['start_mib']:.0f} MiB, mid {rss['mid_mib']:.0f} MiB, end {rss['end_mib']:.0f} MiB, "
+               f"max {rss['max_mib']:.0f} MiB "
                f"({rss['samples']} samples)") if rss.get("samples") else "RSS not sampled"
         return (f"sent {self.sent}, completed {self.completed}, aborted by client {self.aborted_by_client}, "
                 f"lost {len(self.lost)}, invalid {len(self.invalid)}, greedy compared {self.greedy_compared}, "

@@ -1,0 +1,63 @@
+"""``vllm-treespec bench`` and ``bench serve`` end to end on real engines (short runs)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_treespec import bench, bench_serve
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+
+def test_bench_offline_reports_every_category_and_is_lossless(tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in [
+        {"question_id": 1, "category": "repeat", "turns": ["Repeat this sentence twice: the cat sat on the mat."]},
+        {"question_id": 2, "category": "code", "turns": ["Write a Python function that adds two numbers.",
+                                                         "Now make it add three numbers."]},
+    ]))
+    out = tmp_path / "out"
+    code = bench.main(["--prompts", str(questions), "--turns", "2", "--max-tokens", "24", "--enforce-eager",
+                       "--methods", 'suffix_tree:{"num_speculative_tokens":16}', "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["category"]): r for r in report["rows"]}
+    assert set(rows) == {(m, c) for m in ("none", "suffix_tree") for c in ("repeat", "code", "overall")}
+    overall = rows[("suffix_tree", "overall")]
+    assert overall["requests"] == 3  # two turns of the code question
+    assert overall["lossless"] == {"identical": 2, "prompts": 2}
+    assert overall["drafts"] > 0 and overall["tau"] >= 1.0
+    assert len(overall["acceptance_per_pos"]) == 16
+    assert all(a >= b for a, b in zip(overall["acceptance_per_pos"], overall["acceptance_per_pos"][1:]))
+    assert rows[("none", "overall")]["drafts"] == 0 and rows[("none", "overall")]["speedup"] == pytest.approx(1.0)
+    assert overall["speedup"] > 0 and overall["tok_per_s"] > 0 and overall["decode_tok_per_s"] > 0
+    assert {p.name for p in out.iterdir()} >= {"results.json", "table.txt", "speedup.png", "tau.png",
+                                               "acceptance.png"}
+
+
+def test_bench_serve_sweeps_levels_and_stops_every_server(tmp_path):
+    import psutil
+
+    from vllm_treespec.models import ensure_tiny_llama
+
+    out = tmp_path / "serve"
+    code = bench_serve.main(["--model", str(ensure_tiny_llama()), "--prompts", "humaneval", "--concurrency", "1,4",
+                             "--requests-per-level", "4", "--max-tokens", "16", "--max-model-len", "1024",
+                             "--enforce-eager", "--methods", 'static_tree:{"num_speculative_tokens":8}',
+                             "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [m["label"] for m in report["methods"]] == ["none", "static_tree"]
+    for method in report["methods"]:
+        assert method["status"] == "ok"
+        assert set(method["levels"]) == {"1", "4"}
+        for level in method["levels"].values():
+            assert level["succeeded"] == level["requests"] == 4
+            assert level["ttft_s"]["p50"] > 0 and level["output_tok_per_s"] > 0
+        assert not psutil.pid_exists(method["server_pid"]) or \
+            psutil.Process(method["server_pid"]).status() == psutil.STATUS_ZOMBIE
+        port_flag = f"--port {method['port']}"
+        assert not [p for p in psutil.process_iter(["cmdline"]) if port_flag in " ".join(p.info["cmdline"] or [])]
+    assert (out / "serve.png").stat().st_size > 5000

@@ -1,0 +1,217 @@
+"""``vllm-treespec bench serve``: the OpenAI server under load, per speculative method.
+
+For each method (same ``--methods`` syntax as ``vllm-treespec bench``; no speculation always included) it starts
+``python -m vllm_treespec.cli serve`` on 127.0.0.1, waits for ``/health``, warms it up, and drives it with streamed
+chat completions from a bounded asyncio client at each concurrency level (default 1,4,8,16): ``--requests-per-level``
+requests (at least the concurrency) with at most ``concurrency`` in flight. Reported per method and level: output
+tokens/s, requests/s, TTFT and inter-token latency (gap between streamed chunks; a chunk can carry several tokens
+when drafts are accepted) percentiles, and time per output token. The server is always stopped, its whole process
+group, whatever happens. Output: a table, results.json and PNG plots (throughput, TTFT p50 and ITL p50 per level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from vllm_treespec.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, MethodSpec, check_method, load_questions
+from vllm_treespec.bench import parse_methods, unavailable_reason
+from vllm_treespec.serving import Reply, RssSampler, ServerProcess, ServerStartError, percentiles, request
+
+SERVED_NAME = "bench"
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    return ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--max-num-seqs",
+            str(max(args.concurrency)), "--served-model-name", SERVED_NAME, "--seed", str(args.seed)] + (
+                ["--enforce-eager"] if args.enforce_eager else [])
+
+
+async def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int,
+                    temperature: float) -> tuple[list[Reply], float]:
+    """Send every prompt once, at most ``concurrency`` in flight; returns the replies and the wall time."""
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(session, prompt: str) -> Reply:
+        async with gate:
+            payload = {"model": SERVED_NAME, "messages": [{"role": "user", "content": prompt}],
+                       "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+                       "stream_options": {"include_usage": True}}
+            return await request(session, f"{url}/v1/chat/completions", payload)
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        replies = await asyncio.gather(*(one(session, p) for p in prompts))
+        return list(replies), time.perf_counter() - started
+
+
+def level_stats(replies: list[Reply], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in replies if r.ok and r.finish_reason]
+    tokens = sum(r.completion_tokens for r in ok)
+    tpot = [(r.elapsed_s - r.first_token_s) / (r.completion_tokens - 1)
+            for r in ok if r.first_token_s is not None and r.completion_tokens > 1]
+    return {
+        "requests": len(replies), "succeeded": len(ok),
+        "errors": [f"{r.status}: {(r.error or str(r.body))[:200]}" for r in replies if r not in ok][:5],
+        "wall_s": wall_s, "output_tokens": tokens,
+        "output_tok_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "ttft_s": percentiles([r.first_token_s for r in ok if r.first_token_s is not None]),
+        "itl_s": percentiles([g for r in ok for g in r.chunk_gaps_s]),
+        "tpot_s": percentiles(tpot),
+        "tokens_per_chunk": tokens / max(sum(r.chunks for r in ok), 1),
+    }
+
+
+def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    entry: dict[str, Any] = {"label": spec.label, "method": spec.method,
+                             "speculative_config": spec.speculative_config(), "levels": {}}
+    log_path = out_dir / f"server-{spec.label}.log"
+    server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path)
+    entry["port"] = server.port
+    started = time.perf_counter()
+    try:
+        server.start()
+        entry["server_pid"] = server.process.pid
+        entry["startup_s"] = time.perf_counter() - started
+        asyncio.run(run_level(server.url, prompts[:1], 1, 16, 0.0))  # warm-up, not reported
+        with RssSampler(server) as rss, tqdm(args.concurrency, desc=f"{spec.label:>12}", unit="level",
+                                             file=sys.stderr) as levels:
+            for concurrency in levels:
+                n = max(args.requests_per_level, concurrency)
+                batch = [prompts[i % len(prompts)] for i in range(n)]
+                replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
+                                                      args.temperature))
+                entry["levels"][str(concurrency)] = level_stats(replies, wall)
+        entry["rss"] = rss.summary()
+        entry["status"] = "ok" if server.alive() else "crashed"
+    except ServerStartError as e:
+        entry.update(status="failed", reason=str(e).splitlines()[0], log=str(log_path))
+    finally:
+        server.stop()
+    return entry
+
+
+def format_table(methods: list[dict[str, Any]]) -> str:
+    header = ["method", "conc", "ok/sent", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+              "TPOT p50", "tok/chunk"]
+    table = [header]
+    ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
+    for m in methods:
+        if m["status"] != "ok":
+            table.append([m["label"], "", m["status"], m.get("reason", "")[:50]] + [""] * 7)
+            continue
+        for level, s in m["levels"].items():
+            table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
+                          f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
+                          ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
+                          f"{s['tokens_per_chunk']:.2f}"])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in table]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def plot(methods: list[dict[str, Any]], out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("output tok/s", lambda s: s["output_tok_per_s"]),
+              ("TTFT p50 (s)", lambda s: s["ttft_s"]["p50"]),
+              ("inter-token latency p50 (s)", lambda s: s["itl_s"]["p50"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (title, value) in zip(axes, panels):
+        for m in methods:
+            if m["status"] != "ok":
+                continue
+            levels = [int(c) for c in m["levels"]]
+            ax.plot(levels, [value(s) or 0.0 for s in m["levels"].values()], marker="o", label=m["label"])
+        ax.set_xlabel("concurrency")
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = out_dir / "serve.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-treespec bench serve", description=__doc__, epilog=METHODS_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompts", default="mt_bench,humaneval", help="prompt sets or question.jsonl paths")
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated concurrency levels")
+    parser.add_argument("--requests-per-level", type=int, default=16, help="requests sent at each level")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile in the server")
+    parser.add_argument("--out", default="bench_out/serve", help="folder for results.json, serve.png, server logs")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        if not args.concurrency or min(args.concurrency) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"vllm-treespec bench serve: --concurrency must be positive integers, got {args.concurrency!r}",
+              file=sys.stderr)
+        return 2
+    try:
+        specs = parse_methods(args.methods)
+        for spec in specs:
+            check_method(spec)
+    except BenchError as e:
+        print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from vllm_treespec.models import ensure_smollm2
+
+        args.model = str(ensure_smollm2())
+    questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], None)
+    # interleave categories so that every level sees a mix
+    pools = [[q["turns"][0] for q in qs] for qs in questions.values()]
+    prompts = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    methods = []
+    for spec in specs:
+        reason = unavailable_reason(spec)
+        if reason:
+            methods.append({"label": spec.label, "method": spec.method, "status": "skipped", "reason": reason})
+            continue
+        methods.append(run_method(spec, prompts, args, out_dir))
+    report = {"config": {k: v for k, v in vars(args).items()}, "methods": methods}
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    table = format_table(methods)
+    (out_dir / "table.txt").write_text(table + "\n")
+    print(table)
+    path = plot(methods, out_dir)
+    print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'table.txt'}, {path}")
+    return 0 if all(m["status"] in ("ok", "skipped") for m in methods) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
