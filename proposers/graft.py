@@ -25,12 +25,9 @@ the target offline to pick the thresholds and measures the step cost to build th
 from __future__ import annotations
 
 import abc
-import argparse
-import json
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal, NamedTuple, Sequence
 
@@ -38,7 +35,7 @@ import msgspec
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
-from vllm_treespec.retrieval import (NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore)
+from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore
 
 logger = logging.getLogger("vllm.treespec")
 
