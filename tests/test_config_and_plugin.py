@@ -58,12 +58,13 @@ def test_vllm_methods_pass_through_and_dotted_paths_select_tree_mode():
 
 def test_patch_signatures_match_installed_vllm():
     from vllm_treespec.patches import EXPECTED_SIGNATURES, check_signatures, engine_args, model_runner
-    from vllm_treespec.patches import rejection_sampler
+    from vllm_treespec.patches import rejection_sampler, topk_topp_sampler
 
     engine_args.apply()
     model_runner.apply()
     rejection_sampler.apply()
-    assert len(EXPECTED_SIGNATURES) == 7
+    topk_topp_sampler.apply()
+    assert len(EXPECTED_SIGNATURES) == 8
     assert check_signatures() == []
 
 

@@ -62,11 +62,12 @@ def activate_tree_mode() -> None:
         return
     _state["tree_mode"] = True
     from vllm_treespec.attn import register_backends
-    from vllm_treespec.patches import model_runner, rejection_sampler
+    from vllm_treespec.patches import model_runner, rejection_sampler, topk_topp_sampler
 
     register_backends()
     model_runner.apply()
     rejection_sampler.apply()
+    topk_topp_sampler.apply()
 
 
 def is_enabled() -> bool:
