@@ -11,7 +11,8 @@ from vllm_treespec import bench, bench_serve
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
-def test_bench_offline_reports_every_category_and_is_lossless(tmp_path):
+def test_bench_offline_reports_every_category_and_is_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # bench would quieten vLLM for the rest of the session
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in [
         {"question_id": 1, "category": "repeat", "turns": ["Repeat this sentence twice: the cat sat on the mat."]},
