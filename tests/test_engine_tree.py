@@ -137,3 +137,31 @@ def test_oracle_acceptance_is_exactly_designed(base, model, prompts, tmp_path):
     assert accepted == true_depth * drafts, counters
     per_pos = counters["num_accepted_tokens_per_pos"]
     assert list(per_pos)[:true_depth] == [drafts] * true_depth and sum(list(per_pos)[true_depth:]) == 0
+
+
+@pytest.mark.slow
+def test_exactness_sweep_over_120_real_prompts():
+    """MT-Bench (80) + HumanEval (40) prompts, batch 8 and 1, every shipped tree method: scripts/exactness.py."""
+    import subprocess
+    import sys
+
+    from engine_helpers import REPO_DIR
+
+    result = subprocess.run([sys.executable, f"{REPO_DIR}/scripts/exactness.py"], capture_output=True, text=True,
+                            timeout=3 * 3600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "OK: 0 non-identical outputs" in result.stdout
+
+
+def test_custom_proposer_example_by_dotted_path(base, model, prompts):
+    """examples/custom_proposer.py, selected by dotted path with typed options, runs end to end exactly."""
+    llm = make_llm(model, {"method": "examples.custom_proposer.RepeatLastLineProposer", "num_speculative_tokens": 24,
+                           "branches": 3, "depth": 8})
+    try:
+        code = prompts[-4:]  # HumanEval prompts repeat a lot of their own text
+        got = token_ids(llm.generate(code, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(code, greedy(), use_tqdm=False))
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
