@@ -1,0 +1,111 @@
+"""graft against the other drafters, side by side in one run: tau and tok/s at batch 1 on MT-Bench + HumanEval.
+
+For each configuration a fresh engine (embedded SmolLM2-135M-Instruct, fp32 unless ``--dtype``) generates greedily
+for every prompt one at a time (batch 1) after a short warm-up. tau = 1 + accepted / drafts from vLLM's own
+spec-decode counters (steps that proposed nothing are not drafts, so tok/s is the end-to-end figure); every output is
+compared with the no-speculation output. Configurations: no speculation; vLLM ``ngram`` (k=5, prompt lookup 2..4);
+``suffix_tree``; ``ngram_tree``; ``graft``; and the ablations graft without pruning / without grafting.
+
+    python scripts/bench_graft.py [--mt-bench 4] [--human-eval 4] [--max-tokens 128] [--budget 32]
+                                  [--graft-options '{"calibration_path": "graft_calibration.json"}'] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+
+def configs(budget: int, graft_options: dict) -> list[tuple[str, dict | None]]:
+    graft = {"method": "graft", "num_speculative_tokens": budget, **graft_options}
+    return [
+        ("no speculation", None),
+        ("vllm ngram", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                        "prompt_lookup_min": 2}),
+        ("suffix_tree", {"method": "suffix_tree", "num_speculative_tokens": budget}),
+        ("ngram_tree", {"method": "ngram_tree", "num_speculative_tokens": budget}),
+        ("graft", graft),
+        ("graft w/o pruning", {**graft, "prune": False}),
+        ("graft w/o grafting", {**graft, "graft": False}),
+    ]
+
+
+def spec_counters(llm) -> dict[str, float]:
+    return {m.name.removeprefix("vllm:spec_decode_"): float(m.value) for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")}
+
+
+def run(model: str, spec: dict | None, prompts: list[str], max_tokens: int, dtype: str) -> dict:
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0,
+              speculative_config=spec, disable_log_stats=False)
+    startup = time.perf_counter() - started
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+        before = spec_counters(llm)
+        started = time.perf_counter()
+        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        elapsed = time.perf_counter() - started
+        after = spec_counters(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts = delta.get("num_drafts", 0.0)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return {"tokens": tokens, "tok_s": sum(map(len, tokens)) / elapsed, "seconds": elapsed, "startup_s": startup,
+            "tau": 1 + delta.get("num_accepted_tokens", 0.0) / drafts if drafts else 1.0,
+            "drafts": drafts, "draft_tokens": delta.get("num_draft_tokens", 0.0)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--mt-bench", type=int, default=4)
+    parser.add_argument("--human-eval", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=32, help="num_speculative_tokens of the tree methods")
+    parser.add_argument("--graft-options", default="{}", help="extra graft options as JSON")
+    parser.add_argument("--only", nargs="*", help="run only these configuration names (no speculation always runs)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", default=None, help="write the results as JSON")
+    args = parser.parse_args(argv)
+
+    from vllm_treespec.cli import cpu_memory_defaults
+    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.proposers.graft_calibrate import calibration_prompts
+
+    cpu_memory_defaults()
+    model = args.model or str(ensure_smollm2())
+    prompts = calibration_prompts(model, args.mt_bench, args.human_eval)
+    results: dict[str, dict] = {}
+    for name, spec in configs(args.budget, json.loads(args.graft_options)):
+        if args.only and spec is not None and name not in args.only:
+            continue
+        results[name] = run(model, spec, prompts, args.max_tokens, args.dtype)
+        r = results[name]
+        print(f"[{name}] {r['tok_s']:.2f} tok/s, tau {r['tau']:.2f} (engine start {r['startup_s']:.0f} s)", flush=True)
+
+    base = results["no speculation"]
+    print(f"\n{len(prompts)} prompts ({args.mt_bench} MT-Bench, {args.human_eval} HumanEval), batch 1, "
+          f"max_tokens {args.max_tokens}, tree budget {args.budget}, {args.dtype}")
+    print(f"{'method':<20} {'tau':>6} {'tok/s':>7} {'x no-spec':>10} {'draft tok/step':>15} {'identical':>10}")
+    for name, r in results.items():
+        same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+        per_step = r["draft_tokens"] / r["drafts"] if r["drafts"] else 0.0
+        print(f"{name:<20} {r['tau']:>6.2f} {r['tok_s']:>7.2f} {r['tok_s'] / base['tok_s']:>9.2f}x "
+              f"{per_step:>15.1f} {same:>6}/{len(prompts)}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
