@@ -132,3 +132,13 @@ def test_cpu_expand_fix_matches_reference_for_all_dtypes():
         cu = torch.tensor([3, 3, 5, 6], dtype=torch.int32)
         out = rs.expand_batch_to_tokens(x, cu, 6, replace_from=0, replace_to=1)
         assert out.tolist() == [4, 4, 4, 7, 7, 2] and out.dtype == dtype
+
+
+def test_tensor_parallel_tree_mode_is_rejected_clearly():
+    from types import SimpleNamespace
+
+    from vllm_treespec.config import check_parallelism
+
+    check_parallelism(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
+    with pytest.raises(TreeSpecConfigError, match="tensor_parallel_size=1"):
+        check_parallelism(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))

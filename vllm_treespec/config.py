@@ -149,6 +149,16 @@ def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | N
     return new_spec, extra, True
 
 
+def check_parallelism(parallel_config: Any) -> None:
+    """Every rank must verify the same tree; until the topology is broadcast across ranks, tree mode is TP=1, PP=1."""
+    tp = getattr(parallel_config, "tensor_parallel_size", 1)
+    pp = getattr(parallel_config, "pipeline_parallel_size", 1)
+    if tp > 1 or pp > 1:
+        raise TreeSpecConfigError(
+            f"tree speculative methods need tensor_parallel_size=1 and pipeline_parallel_size=1 (got TP={tp}, "
+            f"PP={pp}): draft-tree topology is not yet shared across ranks. Use one rank, or a vLLM chain method.")
+
+
 def treespec_settings(vllm_config: Any) -> dict[str, Any] | None:
     extra = getattr(vllm_config, "additional_config", None) or {}
     return extra.get(ADDITIONAL_CONFIG_KEY)

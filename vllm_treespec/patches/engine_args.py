@@ -18,6 +18,7 @@ def apply() -> None:
 
         spec, extra, is_tree = config.translate(self.speculative_config, self.additional_config)
         if is_tree:
+            config.check_parallelism(target_parallel_config)
             self.speculative_config, self.additional_config = spec, extra
             plugin.activate_tree_mode()
         return original(self, target_model_config, target_parallel_config)
