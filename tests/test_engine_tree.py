@@ -165,3 +165,19 @@ def test_custom_proposer_example_by_dotted_path(base, model, prompts):
         close(llm)
     assert got == token_ids(base.generate(code, greedy(), use_tqdm=False))
     assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
+
+
+def test_hidden_states_are_chainized_and_kv_view_reads(base, model, prompts, tmp_path):
+    report = tmp_path / "probe.json"
+    llm = make_llm(model, {"method": "testing_proposers.HiddenStateProbeProposer", "num_speculative_tokens": 24,
+                           "report_path": str(report)})
+    try:
+        got = token_ids(llm.generate(prompts[-4:], greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(prompts[-4:], greedy(), use_tqdm=False))
+    probe = json.loads(report.read_text())
+    assert counters["num_accepted_tokens"] > 0
+    assert probe["checked"] > 20 and probe["mismatched"] == 0, probe
+    assert probe["kv_reads"] == probe["checked"], probe

@@ -76,3 +76,45 @@ class RandomTreeProposer(TreeProposer):
             parents = np.array([-1] + [int(self.rng.integers(-1, j)) for j in range(1, n)], np.int32)
             trees.append(DraftTree(self.rng.choice(recent, size=n), parents).breadth_first())
         return trees
+
+
+class ProbeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    report_path: str
+
+
+class HiddenStateProbeProposer(TreeProposer):
+    """Checks, inside the worker, what the context hands a proposer that asks for hidden states and KV:
+    the chainized hidden row of each request's last accepted position must reproduce the token just committed
+    (greedy), and the KV view must read every committed position. Proposes prompt-lookup trees meanwhile."""
+
+    options_type = ProbeOptions
+    needs_hidden_states = True
+    needs_kv_cache = True
+
+    def load_model(self, model) -> None:
+        super().load_model(model)
+        self.model = model
+        self.checked = self.mismatched = self.kv_reads = 0
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        import torch
+
+        from vllm_treespec.proposers.static_tree import lookup_branches
+
+        trees = []
+        for i in range(ctx.num_reqs):
+            if not ctx.needs_draft(i):
+                trees.append(None)
+                continue
+            row = int(ctx.hidden_row_index[i])
+            with torch.no_grad():
+                logits = self.model.compute_logits(ctx.hidden_states[row: row + 1])
+            self.checked += 1
+            self.mismatched += int(logits.argmax(-1).item() != ctx.sampled_token_ids[i][-1])
+            k, v = ctx.kv_cache.read(0, i)
+            self.kv_reads += int(k.shape[0] == int(ctx.num_tokens[i]) - 1 and torch.isfinite(k).all().item())
+            chains = lookup_branches(ctx.committed(i), 4, 6)
+            trees.append(DraftTree.from_branches(chains) if chains else None)
+        with open(self.options.report_path, "w") as f:
+            json.dump({"checked": self.checked, "mismatched": self.mismatched, "kv_reads": self.kv_reads}, f)
+        return trees

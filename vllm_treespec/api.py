@@ -238,7 +238,10 @@ class TreeProposer:
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     def load_model(self, model: Any) -> None:
-        """Called with the target model once it is loaded (vLLM's CPU runner calls it unconditionally)."""
+        """Called with the target model once it is loaded (vLLM's CPU runner calls it unconditionally).
+        Subclasses that override it should call ``super().load_model(model)``."""
+        if self.aux_hidden_state_layers:
+            model.set_aux_hidden_state_layers(tuple(self.aux_hidden_state_layers))
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         raise NotImplementedError

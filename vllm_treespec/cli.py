@@ -4,6 +4,8 @@
     vllm-treespec demo [--method graft] [...]        offline generation on the embedded SmolLM2 model
     vllm-treespec model smollm2|tiny                 build the embedded model folders, print the path
     vllm-treespec datastore build ...                build a retrieval corpus datastore
+    vllm-treespec graft calibrate [...]              pick Graft's confidence thresholds and budget table
+    vllm-treespec bench [serve] [...]                speed / acceptance / exactness benchmarks
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_treespec.retrieval.cli import main as datastore_main
 
         return datastore_main(rest)
+    if command == "graft" and rest[:1] == ["calibrate"]:
+        from vllm_treespec.proposers.graft import calibrate_main
+
+        return calibrate_main(rest[1:])
     if command == "bench":
         from vllm_treespec.bench import main as bench_main
 

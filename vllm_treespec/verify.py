@@ -71,6 +71,7 @@ class TreeVerifier:
         self.enabled: bool | None = None  # decided lazily, once the model and KV cache exist
         self.timer = StepTimer()
         self.stats = {"tree_steps": 0, "tree_rows": 0, "accepted": 0}
+        self.last_moves: tuple[np.ndarray, np.ndarray] | None = None
         self._layers: list[Any] | None = None
 
     # --- support -----------------------------------------------------------------------------------------------
@@ -127,8 +128,8 @@ class TreeVerifier:
         return self._layers
 
     # --- hook: propose ---------------------------------------------------------------------------------------
-    def propose(self, sampled_token_ids: list[list[int]], hidden_states=None, aux_hidden_states=None
-                ) -> list[list[int]]:
+    def propose(self, sampled_token_ids: list[list[int]], hidden_states=None, aux_hidden_states=None,
+                query_start_loc=None, scheduled_drafts: dict[str, list[int]] | None = None) -> list[list[int]]:
         if self.enabled is None:
             self.enabled = self._decide_support()
         batch = self.runner.input_batch
@@ -137,6 +138,20 @@ class TreeVerifier:
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=batch.num_tokens_no_spec, token_ids=batch.token_ids_cpu,
                              max_nodes=self.max_nodes)
+        proposer = self.proposer
+        if proposer.needs_hidden_states and hidden_states is not None and query_start_loc is not None:
+            # Rows were chainized in sample(): the row that produced request i's newest token is its last query row
+            # minus the drafts it rejected (prefill chunks have no drafts: their last row).
+            ends = np.asarray(query_start_loc[1: num_reqs + 1], np.int64) - 1
+            drafts = np.array([len((scheduled_drafts or {}).get(r, ())) for r in req_ids], np.int64)
+            accepted = np.array([max(len(s) - 1, 0) for s in sampled_token_ids], np.int64)
+            ctx.hidden_states = hidden_states
+            ctx.aux_hidden_states = aux_hidden_states
+            ctx.hidden_row_index = ends - (drafts - accepted)
+        if proposer.needs_kv_cache and self.enabled:
+            from vllm_treespec.kv_view import build_view
+
+            ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs)
         trees = self.proposer.propose_trees(ctx)
         if len(trees) != num_reqs:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
@@ -232,7 +247,7 @@ class TreeVerifier:
         self.timer.add("accept", time.perf_counter() - started)
 
         started = time.perf_counter()
-        self._compact(batch, out_nodes, out_len)
+        self.last_moves = self._compact(batch, out_nodes, out_len)
         self.timer.add("compact", time.perf_counter() - started)
         self.timer.steps += 1
         self.stats["tree_steps"] += 1
@@ -279,9 +294,11 @@ class TreeVerifier:
             out_len[r] = len(path)
 
     # --- KV compaction --------------------------------------------------------------------------------------------
-    def _compact(self, batch: TreeBatch, out_nodes: np.ndarray, out_len: np.ndarray) -> None:
-        """Move accepted nodes' K/V from their linear slots (context + 1 + node) to chain slots (context + 1 + k)."""
-        src_pos, dst_pos, rows = [], [], []
+    def _compact(self, batch: TreeBatch, out_nodes: np.ndarray, out_len: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Move accepted nodes' K/V from their linear slots (context + 1 + node) to chain slots (context + 1 + k).
+        Returns the (source, destination) flattened-query rows, for chainizing hidden states."""
+        src_pos, dst_pos, rows, src_tok, dst_tok = [], [], [], [], []
         for r in range(batch.num_reqs):
             a = int(out_len[r])
             if a == 0:
@@ -295,8 +312,10 @@ class TreeVerifier:
             src_pos.append(base + nodes[moved])
             dst_pos.append(base + k[moved])
             rows.append(np.full(int(moved.sum()), batch.rows[r]))
+            src_tok.append(int(batch.query_start[r]) + 1 + nodes[moved])
+            dst_tok.append(int(batch.query_start[r]) + 1 + k[moved])
         if not src_pos:
-            return
+            return None
         rows_np = np.concatenate(rows)
         src = self._slots(rows_np, np.concatenate(src_pos))
         dst = self._slots(rows_np, np.concatenate(dst_pos))
@@ -304,6 +323,17 @@ class TreeVerifier:
             key, value = layout.read_slots(layer.kv_cache, src)  # gather all first, then scatter
             layout.write_slots(layer.kv_cache, dst, key, value, layer.isa,
                                layer._k_scale_float, layer._v_scale_float, layer.impl.kv_cache_dtype)
+        return np.concatenate(src_tok), np.concatenate(dst_tok)
+
+    def chainize_rows(self, tensors) -> None:
+        """Apply this step's accepted-path moves to per-token rows (hidden / aux hidden states) in place."""
+        moves, self.last_moves = self.last_moves, None
+        if moves is None:
+            return
+        src, dst = (torch.from_numpy(m) for m in moves)
+        for t in tensors:
+            if t is not None:
+                t[dst] = t[src]  # advanced indexing gathers first, so overlapping moves are safe
 
     def _slots(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         block_table = self.runner.input_batch.block_table[0]

@@ -27,18 +27,30 @@ def apply() -> None:
 
         drafter = getattr(self, "drafter", None)
         self._treespec_verifier = TreeVerifier(self, drafter) if isinstance(drafter, TreeProposer) else None
+        if self._treespec_verifier is not None and drafter.aux_hidden_state_layers:
+            # The target returns these layers' hidden states; TreeProposer.load_model selects them on the model.
+            self.use_aux_hidden_state_outputs = True
 
     @wrap_method(GPUModelRunner, "propose_draft_token_ids",
                  ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                   "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
                   "slot_mappings"))
-    def propose_draft_token_ids(original, self, scheduler_output, sampled_token_ids, *args, **kwargs):
+    def propose_draft_token_ids(original, self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs):
         verifier = _verifier(self)
         if verifier is None or not isinstance(sampled_token_ids, list):
-            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                            sample_hidden_states, aux_hidden_states, *args, **kwargs)
         self._draft_probs = None
         self._draft_prob_req_ids = None
-        return verifier.propose(sampled_token_ids)
+        wants_hidden = verifier.proposer.needs_hidden_states
+        if wants_hidden:
+            verifier.chainize_rows([hidden_states, *(aux_hidden_states or [])])
+        else:
+            verifier.last_moves = None
+        return verifier.propose(sampled_token_ids, hidden_states if wants_hidden else None,
+                                aux_hidden_states if wants_hidden else None, self.query_start_loc.np,
+                                scheduler_output.scheduled_spec_decode_tokens)
 
     @wrap_method(GPUModelRunner, "_prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"))
     def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
