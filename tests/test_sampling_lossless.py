@@ -58,20 +58,35 @@ def _homogeneity_pvalue(a: list, b: list) -> float:
     return float(chi2_contingency(np.array(table)).pvalue)
 
 
-@pytest.mark.parametrize("stochastic", [False, True], ids=["one-hot drafts", "stochastic drafts"])
-def test_tree_sampling_matches_plain_sampling(stochastic, tmp_path):
+PROMPT = "Once upon a time there was"
+
+
+def _params():
     from vllm import SamplingParams
 
+    return SamplingParams(temperature=0.8, top_k=4, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
     from vllm_treespec.models import ensure_tiny_llama
 
-    model = str(ensure_tiny_llama())
-    prompt = "Once upon a time there was"
-    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.95, max_tokens=MAX_TOKENS, ignore_eos=True)
-    base = make_llm(model, max_num_seqs=64, max_model_len=256)
+    return str(ensure_tiny_llama())
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    """Samples without speculation (shared by both draft kinds)."""
+    base = make_llm(tiny_model, max_num_seqs=64, max_model_len=256)
     try:
-        plain = _sample(base, prompt, params)
+        return _sample(base, PROMPT, _params())
     finally:
         close(base)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["one-hot drafts", "stochastic drafts"])
+def test_tree_sampling_matches_plain_sampling(stochastic, tmp_path, tiny_model, plain):
+    model, prompt, params = tiny_model, PROMPT, _params()
     frequent = Counter(t for seq in plain for t in seq[1:]).most_common(6)
     (tmp_path / "cand.json").write_text(json.dumps([t for t, _ in frequent]))
     tree = make_llm(model, {"method": "testing_proposers.CandidateTreeProposer", "num_speculative_tokens": 15,
