@@ -125,3 +125,5 @@ def test_bench_rejects_bad_arguments(capsys):
     assert "not valid JSON" in capsys.readouterr().err
     assert bench.main(["--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1" in capsys.readouterr().err
+    assert bench.main(["--prompts", "no_such_set", "--methods", "none"]) == 2
+    assert "--prompts: unknown prompt set 'no_such_set'" in capsys.readouterr().err

@@ -159,7 +159,11 @@ def load_questions(names: Sequence[str], limit: int | None) -> dict[str, list[di
 
     by_category: dict[str, list[dict]] = {}
     for name in names:
-        for q in load_prompt_set(PROMPT_SET_ALIASES.get(name, name)):
+        try:
+            loaded = load_prompt_set(PROMPT_SET_ALIASES.get(name, name))
+        except ValueError as e:  # unknown set, or a file not in the question.jsonl format (names the line)
+            raise BenchError(f"--prompts: {e}") from None
+        for q in loaded:
             questions = by_category.setdefault(q["category"], [])
             if limit is None or len(questions) < limit:
                 questions.append(q)
