@@ -466,12 +466,14 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     paths = []
     for key, title, fname in (("speedup", "speedup vs no speculation", "speedup.png"),
                               ("tau", "tau: tokens per verify step (bonus included)", "tau.png")):
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(categories) * max(len(methods), 1) * 0.35 + 3), 4))
-        width = 0.8 / max(len(methods), 1)
-        for i, method in enumerate(methods):
+        shown = [m for m in methods if key == "speedup" or any(r["method"] == m and r.get(key) for r in ok)]
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(categories) + 2), 4.5))
+        width = 0.8 / max(len(shown), 1)
+        for i, method in enumerate(shown):
             values = {r["category"]: r.get(key) for r in ok if r["method"] == method}
-            xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(categories))]
-            ax.bar(xs, [values.get(c) or 0.0 for c in categories], width, label=method)
+            xs = [c + (i - (len(shown) - 1) / 2) * width for c in range(len(categories))]
+            ax.bar(xs, [values.get(c) or 0.0 for c in categories], width, label=method,
+                   color=f"C{methods.index(method) % 10}")  # one colour per method across plots
         if key == "speedup":
             ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
@@ -486,7 +488,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for row in ok:
         if row["category"] == OVERALL and row["acceptance_per_pos"]:
             ax.plot(range(1, len(row["acceptance_per_pos"]) + 1), row["acceptance_per_pos"], marker=".",
-                    label=row["method"])
+                    label=row["method"], color=f"C{methods.index(row['method']) % 10}")
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / drafts")
     ax.set_title("per-position acceptance (overall)")
