@@ -228,18 +228,22 @@ class TreeVerifier:
         tree_rows_start = row_start[batch.rows]
         logits_index = torch.from_numpy(np.repeat(tree_rows_start, widths)
                                         + (np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)))
-        tree_logits = logits.index_select(0, logits_index).to(torch.float32)  # copy: the sampler may write in place
         row_offsets = np.cumsum(widths) - widths
+        greedy = self._greedy_mask(batch)
+        # Read what acceptance needs before vLLM's sampler runs (it may modify logits in place): argmax for greedy
+        # rows; a float32 copy only where sampling or the proposer needs full distributions.
+        argmax = logits.argmax(dim=-1)[logits_index].numpy()
+        tree_logits = None
+        if not greedy.all() or self.proposer.wants_target_logits:
+            tree_logits = logits.index_select(0, logits_index).to(torch.float32)
         self.timer.add("accept", time.perf_counter() - started)
 
         output = original(logits, spec_decode_metadata)
 
         started = time.perf_counter()
-        greedy = self._greedy_mask(batch)
         max_len = output.sampled_token_ids.shape[1] - 1
         out_tokens, out_nodes, out_len = greedy_accept(
-            batch.tokens, batch.parents, batch.depth, batch.node_offsets, row_offsets,
-            tree_logits.argmax(dim=-1).numpy(), max_len)
+            batch.tokens, batch.parents, batch.depth, batch.node_offsets, row_offsets, argmax, max_len)
         if not greedy.all():
             self._sample_random(batch, ~greedy, tree_logits, row_offsets, out_tokens, out_nodes, out_len)
         sampled = output.sampled_token_ids
