@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_treespec.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, MethodSpec, check_method, load_questions
+from vllm_treespec.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
+from vllm_treespec.bench import load_questions
 from vllm_treespec.bench import parse_methods, unavailable_reason
 from vllm_treespec.serving import Reply, RssSampler, ServerProcess, ServerStartError, percentiles, request
 
@@ -84,12 +85,16 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
         server.start()
         entry["server_pid"] = server.process.pid
         entry["startup_s"] = time.perf_counter() - started
-        asyncio.run(run_level(server.url, prompts[:1], 1, 16, 0.0))  # warm-up, not reported
+        asyncio.run(run_level(server.url, [WARMUP_PROMPT], 1, 16, 0.0))  # warm-up, not reported
+        sent = 0
         with RssSampler(server) as rss, tqdm(args.concurrency, desc=f"{spec.label:>12}", unit="level",
                                              file=sys.stderr) as levels:
             for concurrency in levels:
+                # fresh prompts at every level: a method that remembers finished outputs (suffix_tree's global
+                # store) must not be scored on answers it has already produced
                 n = max(args.requests_per_level, concurrency)
-                batch = [prompts[i % len(prompts)] for i in range(n)]
+                batch = [prompts[(sent + i) % len(prompts)] for i in range(n)]
+                sent += n
                 replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
                                                       args.temperature))
                 entry["levels"][str(concurrency)] = level_stats(replies, wall)
