@@ -150,6 +150,7 @@ def test_bad_config_server_exits_nonzero_naming_the_field(tmp_path, spec, needle
     assert needle in info.value.log_tail
 
 
+@pytest.mark.slow  # ~4 min: the corrupt file is only detected in the worker; scripts/bad_input.py covers it too
 def test_corrupt_datastore_fails_startup_naming_the_file(tmp_path):
     from vllm_treespec.models import ensure_tiny_llama
 
