@@ -4,9 +4,10 @@ budget that shrinks as the batch grows (ECHO, arXiv 2604.09603).
 Reads each request's committed tokens (``ctx.committed(i)``) and, after every verify step, the target's logits at all
 verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only). Per request and step:
 
-1. **Draft.** A model drafter (:class:`ModelDrafter`, EAGLE-style) grows a scored tree level by level. This build has
-   no EAGLE head: without ``eagle_checkpoint`` the draft is the retrieval tree of the source that is most confident at
-   the first checkpoint (ties: the order of ``sources``), read level by level, and the log says so once.
+1. **Draft.** A model drafter (:class:`ModelDrafter`; the EAGLE-3 head of ``eagle_checkpoint``, drafting EAGLE-2
+   dynamic trees as ``eagle_tree`` does) grows a scored tree level by level. Without a head (``eagle_checkpoint``
+   "auto" and no trained default head, or "none") the draft is the retrieval tree of the source that is most
+   confident at the first checkpoint (ties: the order of ``sources``), read level by level, and the log says so once.
 2. **Prune.** After the draft reaches each checkpoint depth d, the best path confidence ``exp(max cumulative
    log-prob at depth d)`` is compared with that checkpoint's threshold; below it, drafting stops and the rest of the
    budget is freed.
@@ -81,8 +82,12 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     datastore: str | None = None
     ngram_min_n: int = 2
     ngram_max_n: int = 4
-    #: EAGLE draft head; None = retrieval-only trees (this build has no EAGLE drafter yet)
-    eagle_checkpoint: str | None = None
+    #: EAGLE-3 head folder; "auto" = the head `vllm-treespec train-eagle` wrote to the cache, if there is one;
+    #: "none" = retrieval-only trees
+    eagle_checkpoint: str = "auto"
+    #: the EAGLE drafter's levels below the root and children per expanded node (see eagle_tree)
+    eagle_depth: int = 6
+    eagle_top_k: int = 8
     #: shrink the per-request budget as the batch grows
     adaptive_budget: bool = True
     #: tokens per verify forward that cost about one decode step; None = calibration file, else a device default
@@ -95,7 +100,8 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_cached_requests: int = 256
 
     def __post_init__(self) -> None:
-        positive = ("successor_k", "max_depth", "ngram_min_n", "ngram_max_n", "max_cached_requests")
+        positive = ("successor_k", "max_depth", "ngram_min_n", "ngram_max_n", "max_cached_requests", "eagle_depth",
+                    "eagle_top_k")
         for name in positive + (("budget",) if self.budget is not None else ()) + (
                 ("knee_tokens",) if self.knee_tokens is not None else ()):
             if getattr(self, name) < 1:
@@ -124,8 +130,12 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"({len(self.thresholds)}) must have the same length")
         for name in ("datastore", "eagle_checkpoint"):
             path = getattr(self, name)
-            if path is not None and not os.path.exists(path):
+            if path is not None and path not in ("auto", "none") and not os.path.exists(path):
                 raise ValueError(f"graft option {name!r}: no such file or directory {path!r}")
+        if self.eagle_checkpoint not in ("auto", "none"):
+            from vllm_treespec.proposers.eagle_tree import resolve_checkpoint
+
+            resolve_checkpoint(self.eagle_checkpoint, "graft option 'eagle_checkpoint'")
         if self.calibration_path is not None:
             try:
                 load_calibration(self.calibration_path)
@@ -223,6 +233,19 @@ class ModelDrafter(abc.ABC):
     stop each request's expansion at a confidence checkpoint. An implementation keeps its per-request state between
     :meth:`start` and the last :meth:`expand` of a step."""
 
+    #: the target hidden states the drafter reads (TreeProposer semantics)
+    needs_hidden_states: bool = False
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
+    def load_model(self, model: Any) -> None:
+        """Called with the target model once it is loaded."""
+
+    def ingest(self, ctx: ProposeContext) -> None:
+        """Called every step for every request, drafting or not (e.g. to read newly committed hidden states)."""
+
+    def release(self, req_ids: set[str]) -> None:
+        """Requests that finished; drop their state."""
+
     @abc.abstractmethod
     def start(self, ctx: ProposeContext, rows: Sequence[int]) -> None:
         """Begin drafting for the batch rows ``rows`` of ``ctx``."""
@@ -233,13 +256,84 @@ class ModelDrafter(abc.ABC):
         ``max_new[j]`` nodes for ``rows[j]``; None or an empty level ends that row's draft."""
 
 
-def load_model_drafter(checkpoint: str | None, vllm_config: Any) -> ModelDrafter | None:
-    """The model drafter for ``eagle_checkpoint``; None without a checkpoint."""
-    if checkpoint is None:
+def draft_tree_levels(tree: DraftTree) -> list[DraftLevel]:
+    """A draft tree as levels, nodes renumbered in level order (parents first)."""
+    if tree.num_nodes == 0:
+        return []
+    depths = tree.depths()
+    order = np.argsort(depths, kind="stable")
+    new_index = np.empty_like(order)
+    new_index[order] = np.arange(order.size)
+    probs = tree.node_probs if tree.node_probs is not None else np.ones(tree.num_nodes, np.float32)
+    log_probs = np.log(np.maximum(probs.astype(np.float64), 1e-30))
+    levels, start = [], 0
+    for d in range(1, int(depths.max()) + 1):
+        nodes = order[start: start + int((depths == d).sum())]
+        start += nodes.size
+        parents = tree.parents[nodes].astype(np.int64)
+        levels.append(DraftLevel(tree.token_ids[nodes], np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]),
+                                 log_probs[nodes]))
+    return levels
+
+
+class EagleModelDrafter(ModelDrafter):
+    """The ``eagle_tree`` drafter (EAGLE-3 head, EAGLE-2 dynamic tree) as graft's model drafter: the whole dynamic
+    tree is drafted in :meth:`start` and handed out level by level, so pruning at a checkpoint frees verify budget."""
+
+    needs_hidden_states = True
+
+    def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
+        from vllm_treespec.proposers.eagle_tree import EagleDrafter
+
+        self.drafter = EagleDrafter(checkpoint, depth=depth, top_k=top_k)
+        if not self.drafter.aux_layers:
+            model_config = getattr(vllm_config, "model_config", None)
+            if model_config is None:
+                raise ValueError(f"{checkpoint}: config.json names no eagle_aux_hidden_state_layer_ids")
+            layers = model_config.get_total_num_hidden_layers()
+            self.drafter.aux_layers = (2, layers // 2, layers - 3)
+        self.aux_hidden_state_layers = tuple(self.drafter.aux_layers)
+        self.vllm_config = vllm_config
+        self._ready: set[int] = set()
+        self._levels: dict[int, list[DraftLevel]] = {}
+
+    def load_model(self, model: Any) -> None:
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.model.embed_tokens
+        model_config = getattr(self.vllm_config, "model_config", None)
+        self.drafter.load(embed.weight, getattr(model_config, "dtype", None),
+                          model_config.get_total_num_hidden_layers() if model_config is not None else None)
+
+    def ingest(self, ctx: ProposeContext) -> None:
+        self._ready = set(self.drafter.ingest(ctx))
+
+    def release(self, req_ids: set[str]) -> None:
+        self.drafter.release(req_ids)
+
+    def start(self, ctx: ProposeContext, rows: Sequence[int]) -> None:
+        trees = self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes)
+        self._levels = {r: draft_tree_levels(t)[::-1] for r, t in trees.items()}
+
+    def expand(self, rows: Sequence[int], max_new: Sequence[int]) -> list[DraftLevel | None]:
+        out: list[DraftLevel | None] = []
+        for r in rows:
+            levels = self._levels.get(r)
+            out.append(levels.pop() if levels else None)
+        return out
+
+
+def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
+                       top_k: int = 8) -> ModelDrafter | None:
+    """The model drafter for ``eagle_checkpoint`` ("auto": the trained default head if there is one); None for
+    retrieval-only trees."""
+    if checkpoint in (None, "none"):
         return None
-    raise NotImplementedError(
-        f"graft option 'eagle_checkpoint' ({checkpoint!r}): this build has no EAGLE drafter yet; leave the option "
-        "out for retrieval-only trees")
+    from vllm_treespec.proposers.eagle_tree import default_head_path
+
+    if checkpoint == "auto":
+        if not (default_head_path() / "config.json").is_file():
+            return None
+        checkpoint = str(default_head_path())
+    return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)
 
 
 # --- draft growth and pruning ---------------------------------------------------------------------------------------
@@ -510,11 +604,15 @@ class GraftProposer(TreeProposer):
         self.max_budget = opts.budget or self.max_nodes or 0
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)
-        self.drafter = drafter if drafter is not None else load_model_drafter(opts.eagle_checkpoint, vllm_config)
+        self.drafter = drafter if drafter is not None else load_model_drafter(
+            opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k)
         if self.drafter is None:
-            logger.warning("graft: no eagle_checkpoint, so no model drafter: drafting retrieval-only trees "
-                           "(draft = the most confident of %s, pruned at depths %s, grafted from the others)",
-                           list(opts.sources), list(self.checkpoints))
+            logger.warning("graft: no EAGLE head (eagle_checkpoint=%r), so no model drafter: drafting retrieval-only "
+                           "trees (draft = the most confident of %s, pruned at depths %s, grafted from the others)",
+                           opts.eagle_checkpoint, list(opts.sources), list(self.checkpoints))
+        else:
+            self.needs_hidden_states = self.drafter.needs_hidden_states
+            self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
         self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
         self.stats = GraftStats()
 
@@ -527,6 +625,8 @@ class GraftProposer(TreeProposer):
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
         budget = self.budget(ctx)
+        if self.drafter is not None:
+            self.drafter.ingest(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if budget <= 0 or not rows:
@@ -543,7 +643,8 @@ class GraftProposer(TreeProposer):
         while active:
             levels = self.drafter.expand(active, [growths[i].remaining for i in active])
             active = [i for i, level in zip(active, levels) if level is not None and growths[i].add_level(level)]
-        return growths
+        # a row the drafter could not draft (no hidden states yet, head not loaded) gets a retrieval-only tree
+        return {i: g for i, g in growths.items() if len(g)}
 
     def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None) -> DraftTree:
         opts: GraftOptions = self.options
@@ -604,7 +705,14 @@ class GraftProposer(TreeProposer):
         """Row ``tokens[i]`` of the successor table := the target's top-k after it (also used by offline replay)."""
         self.sources.learn(tokens, topk_ids, topk_probs)
 
+    def load_model(self, model: Any) -> None:
+        super().load_model(model)
+        if self.drafter is not None:
+            self.drafter.load_model(model)
+
     def on_requests_finished(self, req_ids: set[str]) -> None:
+        if self.drafter is not None:
+            self.drafter.release(req_ids)
         for r in req_ids:
             self._roots.pop(r, None)
         self.sources.release(req_ids)

@@ -187,11 +187,11 @@ def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
     assert t0.num_nodes <= 10 and t1.num_nodes <= 10
 
 
-def test_eagle_checkpoint_without_a_drafter_is_refused(tmp_path):
+def test_eagle_checkpoint_that_is_not_a_head_is_refused(tmp_path):
     ckpt = tmp_path / "eagle"
     ckpt.mkdir()
-    with pytest.raises(NotImplementedError, match="eagle_checkpoint"):
-        GraftProposer(None, GraftOptions(eagle_checkpoint=str(ckpt)), vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="eagle_checkpoint.*config.json"):
+        GraftOptions(eagle_checkpoint=str(ckpt))
 
 
 def test_retrieval_only_is_logged_once():

@@ -161,8 +161,11 @@ class ProposeContext:
     token_ids: [max_reqs, max_model_len] committed tokens; only ``token_ids[i, :num_tokens[i]]`` is valid. Read only.
     max_nodes: the verify budget (``num_speculative_tokens``); longer trees are truncated to it.
     hidden_states / aux_hidden_states: the target's hidden states of this step's *committed* rows (chainized), when
-        the proposer sets ``needs_hidden_states``; ``hidden_row_index[i]`` is the row of request i's last committed
-        token in them.
+        the proposer sets ``needs_hidden_states``; request i's rows are ``hidden_row_start[i] ..
+        hidden_row_index[i]`` (inclusive), at positions ``hidden_position_start[i]`` onwards: row r at position p holds
+        the target's state after reading token p, so ``token_ids[i, p + 1]`` is the token it predicted and committed.
+        A partial prefill has rows but no draft to make (``needs_draft`` is False); positions computed in earlier
+        steps without hidden states (prefix-cache hits) have no rows at all.
     kv_cache: read-only view of the target's KV cache, when the proposer sets ``needs_kv_cache``.
     """
 
@@ -174,6 +177,8 @@ class ProposeContext:
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
     hidden_row_index: np.ndarray | None = None
+    hidden_row_start: np.ndarray | None = None
+    hidden_position_start: np.ndarray | None = None
     kv_cache: Any = None
 
     @property
@@ -329,6 +334,7 @@ BUILTIN_PROPOSERS = {
     "ngram_tree": "vllm_treespec.proposers.ngram_tree.NgramTreeProposer",
     "suffix_tree": "vllm_treespec.proposers.suffix_tree.SuffixTreeProposer",
     "graft": "vllm_treespec.proposers.graft.GraftProposer",
+    "eagle_tree": "vllm_treespec.proposers.eagle_tree.EagleTreeProposer",
 }
 for _name, _path in BUILTIN_PROPOSERS.items():
     register_proposer(_name, _path)

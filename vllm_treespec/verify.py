@@ -146,8 +146,16 @@ class TreeVerifier:
             drafts = np.array([len((scheduled_drafts or {}).get(r, ())) for r in req_ids], np.int64)
             accepted = np.array([max(len(s) - 1, 0) for s in sampled_token_ids], np.int64)
             ctx.hidden_states = hidden_states
+            layers = tuple(proposer.aux_hidden_state_layers)
+            if aux_hidden_states and layers and len(aux_hidden_states) == len(set(layers)):
+                # the model returns them in forward (ascending layer) order; hand them over in the asked order
+                ascending = sorted(set(layers))
+                aux_hidden_states = [aux_hidden_states[ascending.index(layer)] for layer in layers]
             ctx.aux_hidden_states = aux_hidden_states
             ctx.hidden_row_index = ends - (drafts - accepted)
+            ctx.hidden_row_start = np.asarray(query_start_loc[:num_reqs], np.int64)
+            # computed before this step = position of the step's first row
+            ctx.hidden_position_start = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         if proposer.needs_kv_cache and self.enabled:
             from vllm_treespec.kv_view import build_view
 

@@ -31,6 +31,14 @@ def apply() -> None:
             # The target returns these layers' hidden states; TreeProposer.load_model selects them on the model.
             self.use_aux_hidden_state_outputs = True
 
+    @wrap_method(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", ("self",))
+    def _setup_eagle3_aux_hidden_state_outputs(original, self):
+        # vLLM would select its default EAGLE-3 layers (or a draft config's); a tree proposer names its own.
+        verifier = _verifier(self)
+        if verifier is None or not verifier.proposer.aux_hidden_state_layers:
+            return original(self)
+        self.model.set_aux_hidden_state_layers(tuple(verifier.proposer.aux_hidden_state_layers))
+
     @wrap_method(GPUModelRunner, "propose_draft_token_ids",
                  ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                   "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",

@@ -1,0 +1,378 @@
+"""``eagle_tree``: EAGLE-2 dynamic draft trees from an EAGLE-3 head (public tree API only).
+
+The head (:class:`vllm_treespec.eagle.model.Eagle3Head`: any llama-family EAGLE-3 checkpoint vLLM's ``eagle3``
+method loads, e.g. one trained by ``vllm-treespec train-eagle``) runs in plain torch inside the proposer, with its
+own per-request KV cache:
+
+1. **Ingest.** Every step, the target's aux hidden states of the request's newly committed rows (asked for through
+   ``aux_hidden_state_layers``) and the committed tokens after them go through the head's layer; their K/V are
+   written at their positions. Only the last row needs a query: its output is the depth-1 distribution.
+2. **Expand** (EAGLE-2). Level by level, the ``top_k`` best nodes of the newest level (by cumulative draft
+   log-probability) are run through the head together, each attending to the committed cache plus its own
+   ancestors (the tree mask), and each gets its ``top_k`` most likely children.
+3. **Rerank.** All candidates of all levels are ranked by cumulative log-probability and the best
+   ``num_speculative_tokens`` form the tree (a child never outranks its parent, so the set is a tree).
+
+Draft KV beyond the committed length is scratch: the next ingest overwrites it. Verification is exact whatever
+the head drafts, so a weak or mismatched head costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import msgspec
+import numpy as np
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
+
+logger = logging.getLogger("vllm.treespec")
+
+#: where ``vllm-treespec train-eagle`` writes the head for the embedded SmolLM2 model by default
+DEFAULT_HEAD_NAME = "eagle3-smollm2-135m"
+
+
+def default_head_path() -> Path:
+    from vllm_treespec.models import default_cache_dir
+
+    return default_cache_dir() / DEFAULT_HEAD_NAME
+
+
+def resolve_checkpoint(value: str | None, what: str) -> str:
+    """``value`` or, for None / "auto", the default trained head; a clear error when there is none."""
+    if value in (None, "auto"):
+        path = default_head_path()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{what}: no EAGLE-3 checkpoint given and no trained default head at {path}; "
+                             "train one with `vllm-treespec train-eagle -o " + str(path) + "` or pass a checkpoint "
+                             "folder")
+        return str(path)
+    if not (Path(value) / "config.json").is_file():
+        raise ValueError(f"{what}: {value!r} is not an EAGLE-3 checkpoint folder (no config.json)")
+    return value
+
+
+class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    #: EAGLE-3 checkpoint folder; None = the head ``vllm-treespec train-eagle`` wrote to the cache
+    checkpoint: str | None = None
+    #: levels below the root
+    depth: int = 6
+    #: children per expanded node, and nodes expanded per level
+    top_k: int = 8
+    #: the head's compute dtype ("auto" = the target's)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    #: requests whose draft KV is kept (least recently used ones are dropped first)
+    max_cached_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "max_cached_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eagle_tree option {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint is not None and self.checkpoint != "auto":
+            if not os.path.exists(self.checkpoint):
+                raise ValueError(f"eagle_tree option 'checkpoint': no such file or directory {self.checkpoint!r}")
+            resolve_checkpoint(self.checkpoint, "eagle_tree option 'checkpoint'")
+
+
+@dataclass
+class _RequestState:
+    k: Any  # [Hk, cap, D]
+    v: Any
+    written: Any  # [cap] bool: positions whose K/V came from committed rows
+    length: int = 0  # committed rows ingested (positions 0 .. length-1 may be written)
+    last_normed: Any = None  # head output at the last ingested row: depth-1 distribution
+    last_r2: Any = None  # its prenorm hidden: the depth-1 nodes' input hidden
+    last_position: int = -1
+    tick: int = 0
+
+
+@dataclass
+class _Growing:
+    """One request's tree under construction."""
+    state: _RequestState
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]  # cumulative log-prob
+    logps: list[float]  # conditional log-prob
+    depths: list[int]
+    slot: dict[int, int]  # expanded node -> its scratch KV position
+    frontier: list[int]
+    frontier_r2: Any = None
+
+
+class EagleDrafter:
+    """The head plus per-request caches. ``draft(ctx, rows, budget)`` returns EAGLE-2 trees."""
+
+    def __init__(self, checkpoint: str, *, depth: int, top_k: int, dtype: str = "float32",
+                 max_cached_requests: int = 1024) -> None:
+        import json
+
+        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+        eagle = cfg.get("eagle_config") or {}
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+        self.checkpoint = checkpoint
+        self.aux_layers: tuple[int, ...] = tuple(aux) if aux else ()
+        self.depth, self.top_k, self.dtype_name = depth, top_k, dtype
+        self.max_cached_requests = max_cached_requests
+        self.head = None
+        self.states: dict[str, _RequestState] = {}
+        self._tick = 0
+
+    # --- loading ----------------------------------------------------------------------------------------------
+    def load(self, embed, target_dtype=None, num_layers: int | None = None) -> None:
+        import torch
+
+        from vllm_treespec.eagle.model import Eagle3Head
+
+        if self.dtype_name == "auto":
+            dtype = target_dtype or torch.float32
+        else:
+            dtype = getattr(torch, self.dtype_name)
+        default_aux = (2, num_layers // 2, num_layers - 3) if num_layers else None
+        self.head = Eagle3Head.load(self.checkpoint, embed=embed.detach().to("cpu", torch.float32), dtype=dtype,
+                                    default_aux_layers=default_aux)
+        self.head.eval().requires_grad_(False)
+        self.aux_layers = self.head.cfg.aux_layers
+        cfg = self.head.cfg
+        self.kv_heads, self.heads, self.head_dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.d2t = self.head.draft_to_target.numpy()  # draft id -> target id
+        self.dtype = dtype
+
+    # --- per-request KV ---------------------------------------------------------------------------------------
+    def _state(self, req_id: str, need: int) -> _RequestState:
+        import torch
+
+        st = self.states.get(req_id)
+        if st is None:
+            if len(self.states) >= self.max_cached_requests:
+                oldest = min(self.states, key=lambda r: self.states[r].tick)
+                del self.states[oldest]
+            cap = max(256, 1 << (need - 1).bit_length())
+            st = _RequestState(k=torch.zeros(self.kv_heads, cap, self.head_dim, dtype=self.dtype),
+                               v=torch.zeros(self.kv_heads, cap, self.head_dim, dtype=self.dtype),
+                               written=torch.zeros(cap, dtype=torch.bool))
+            self.states[req_id] = st
+        elif st.k.shape[1] < need:
+            cap = 1 << (need - 1).bit_length()
+            grow = cap - st.k.shape[1]
+            st.k = torch.cat([st.k, st.k.new_zeros(self.kv_heads, grow, self.head_dim)], 1)
+            st.v = torch.cat([st.v, st.v.new_zeros(self.kv_heads, grow, self.head_dim)], 1)
+            st.written = torch.cat([st.written, st.written.new_zeros(grow)])
+        self._tick += 1
+        st.tick = self._tick
+        return st
+
+    def release(self, req_ids) -> None:
+        for r in req_ids:
+            self.states.pop(r, None)
+
+    def _attend(self, q, st: _RequestState, length: int, mask):
+        """q: [F, H, D]; keys st.k[:, :length]; mask [F, length] bool → [F, H, D]."""
+        import torch
+
+        f = q.shape[0]
+        g = self.heads // self.kv_heads
+        qh = q.permute(1, 0, 2).reshape(self.kv_heads, g, f, self.head_dim)
+        scores = torch.einsum("kgfd,ksd->kgfs", qh, st.k[:, :length]) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out = torch.einsum("kgfs,ksd->kgfd", probs, st.v[:, :length])
+        return out.reshape(self.heads, f, self.head_dim).permute(1, 0, 2)
+
+    # --- step 1: ingest committed rows ------------------------------------------------------------------------
+    def ingest(self, ctx: ProposeContext) -> list[int]:
+        """Feed every request's committed rows; returns the batch rows whose depth-1 output is ready."""
+        import torch
+
+        if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
+            return []
+        head = self.head
+        rows, spans, tokens, positions = [], [], [], []
+        for i in range(ctx.num_reqs):
+            r0, r1 = int(ctx.hidden_row_start[i]), int(ctx.hidden_row_index[i])
+            n = r1 - r0 + 1
+            if n <= 0:
+                continue
+            p0 = int(ctx.hidden_position_start[i])
+            rows.append(i)
+            spans.append((r0, r1 + 1))
+            tokens.append(ctx.token_ids[i, p0 + 1: p0 + n + 1])
+            positions.append(np.arange(p0, p0 + n))
+        if not rows:
+            return []
+        index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
+        with torch.inference_mode():
+            aux = torch.cat([a[index].to(self.dtype) for a in ctx.aux_hidden_states[: len(self.aux_layers)]], -1)
+            hidden = head.combine(aux)
+            tok = torch.from_numpy(np.concatenate(tokens).astype(np.int64))
+            pos = torch.from_numpy(np.concatenate(positions))
+            q, k, v = head.layer_inputs(tok, hidden, pos)
+            outs, last_hidden = [], []
+            offset = 0
+            for i, (a, b), p in zip(rows, spans, positions):
+                n = b - a
+                p0 = int(p[0])
+                st = self._state(ctx.req_ids[i], p0 + n + self.depth * self.top_k + 1)
+                if p0 > st.length:  # rows we never saw (e.g. a prefix-cache hit): keep them masked out
+                    st.written[st.length: p0] = False
+                st.k[:, p0: p0 + n] = k[offset: offset + n].transpose(0, 1)
+                st.v[:, p0: p0 + n] = v[offset: offset + n].transpose(0, 1)
+                st.written[p0: p0 + n] = True
+                st.length = p0 + n
+                st.last_position = p0 + n - 1
+                mask = st.written[: st.length][None, :]
+                outs.append(self._attend(q[offset + n - 1: offset + n], st, st.length, mask))
+                last_hidden.append(hidden[offset + n - 1: offset + n])
+                offset += n
+            normed, r2 = head.layer_outputs(torch.cat(outs), torch.cat(last_hidden))
+            for j, i in enumerate(rows):
+                st = self.states[ctx.req_ids[i]]
+                st.last_normed, st.last_r2 = normed[j], r2[j]
+        return rows
+
+    # --- steps 2 and 3: expand and rerank ---------------------------------------------------------------------
+    def draft(self, ctx: ProposeContext, rows: Sequence[int], budget: int) -> dict[int, DraftTree]:
+        """EAGLE-2 trees of at most ``budget`` nodes for ``rows`` (those ingested this step)."""
+        import torch
+
+        head, k = self.head, self.top_k
+        grows: dict[int, _Growing] = {}
+        with torch.inference_mode():
+            # depth 1: children of the root from the last ingested row's output
+            ready = [i for i in rows if self.states.get(ctx.req_ids[i]) is not None
+                     and self.states[ctx.req_ids[i]].last_normed is not None]
+            if not ready:
+                return {}
+            normed = torch.stack([self.states[ctx.req_ids[i]].last_normed for i in ready])
+            logp = torch.log_softmax(head.logits(normed).float(), dim=-1)
+            top_lp, top_id = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            top_lp, top_id = top_lp.numpy(), top_id.numpy()
+            for j, i in enumerate(ready):
+                st = self.states[ctx.req_ids[i]]
+                g = _Growing(state=st, tokens=top_id[j].tolist(), parents=[-1] * top_id.shape[1],
+                             scores=top_lp[j].astype(np.float64).tolist(), logps=top_lp[j].tolist(),
+                             depths=[1] * top_id.shape[1], slot={}, frontier=list(range(top_id.shape[1])))
+                g.frontier_r2 = st.last_r2[None].expand(len(g.frontier), -1)
+                grows[i] = g
+            for depth in range(1, self.depth):
+                active = [i for i in ready if grows[i].frontier]
+                if not active:
+                    break
+                toks, hid, pos = [], [], []
+                for i in active:
+                    g = grows[i]
+                    toks.append(np.asarray([g.tokens[n] for n in g.frontier], np.int64))
+                    hid.append(g.frontier_r2)
+                    pos.append(np.full(len(g.frontier), g.state.last_position + depth, np.int64))
+                hidden = torch.cat(hid)
+                q, kk, vv = head.layer_inputs(torch.from_numpy(self._target_ids(np.concatenate(toks))),
+                                              hidden, torch.from_numpy(np.concatenate(pos)))
+                outs, offset = [], 0
+                for i in active:
+                    g, st = grows[i], grows[i].state
+                    f = len(g.frontier)
+                    base = st.length + len(g.slot)
+                    for j, node in enumerate(g.frontier):
+                        g.slot[node] = base + j
+                    st.k[:, base: base + f] = kk[offset: offset + f].transpose(0, 1)
+                    st.v[:, base: base + f] = vv[offset: offset + f].transpose(0, 1)
+                    total = base + f
+                    mask = torch.zeros(f, total, dtype=torch.bool)
+                    mask[:, : st.length] = st.written[: st.length]
+                    for j, node in enumerate(g.frontier):
+                        a = node
+                        while a >= 0:  # the node and its ancestors (the root's row is the last committed one)
+                            mask[j, g.slot[a]] = True
+                            a = g.parents[a]
+                    outs.append(self._attend(q[offset: offset + f], st, total, mask))
+                    offset += f
+                normed, r2 = head.layer_outputs(torch.cat(outs), hidden)
+                logp = torch.log_softmax(head.logits(normed).float(), dim=-1)
+                top_lp, top_id = logp.topk(min(k, logp.shape[-1]), dim=-1)
+                top_lp, top_id = top_lp.numpy().astype(np.float64), top_id.numpy()
+                offset = 0
+                for i in active:
+                    g = grows[i]
+                    f = len(g.frontier)
+                    new_nodes, new_scores = [], []
+                    for j, parent in enumerate(g.frontier):
+                        for c in range(top_id.shape[1]):
+                            g.tokens.append(int(top_id[offset + j, c]))
+                            g.parents.append(parent)
+                            s = g.scores[parent] + top_lp[offset + j, c]
+                            g.scores.append(s)
+                            g.logps.append(float(top_lp[offset + j, c]))
+                            g.depths.append(depth + 1)
+                            new_nodes.append(len(g.tokens) - 1)
+                            new_scores.append(s)
+                    if depth + 1 < self.depth:
+                        row_of = {parent: offset + j for j, parent in enumerate(g.frontier)}
+                        best = np.argsort(-np.asarray(new_scores), kind="stable")[:k]
+                        g.frontier = [new_nodes[b] for b in best]
+                        g.frontier_r2 = r2[[row_of[g.parents[n]] for n in g.frontier]]
+                    else:
+                        g.frontier = []
+                    offset += f
+        return {i: self._rerank(g, budget) for i, g in grows.items()}
+
+    def _target_ids(self, draft_ids: np.ndarray) -> np.ndarray:
+        return self.d2t[draft_ids]
+
+    def _rerank(self, g: _Growing, budget: int) -> DraftTree:
+        scores = np.asarray(g.scores)
+        order = np.argsort(-scores, kind="stable")[: max(0, budget)]  # parents precede children (ties: creation)
+        chosen = np.sort(order)  # creation order is topological
+        new_index = np.full(len(g.tokens), -1, np.int64)
+        new_index[chosen] = np.arange(chosen.size)
+        parents = np.asarray(g.parents, np.int64)[chosen]
+        out_parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)])
+        if np.any((parents >= 0) & (out_parents < 0)):
+            raise AssertionError("EAGLE rerank dropped a parent of a kept node")
+        tokens = self.d2t[np.asarray(g.tokens, np.int64)[chosen]]
+        return DraftTree(tokens, out_parents, np.exp(np.asarray(g.logps)[chosen]).astype(np.float32))
+
+
+class EagleTreeProposer(TreeProposer):
+    options_type = EagleTreeOptions
+    needs_hidden_states = True
+
+    def __init__(self, vllm_config: Any = None, options: EagleTreeOptions | None = None) -> None:
+        super().__init__(vllm_config, options)
+        opts: EagleTreeOptions = self.options
+        checkpoint = resolve_checkpoint(opts.checkpoint, "eagle_tree option 'checkpoint'")
+        self.drafter = EagleDrafter(checkpoint, depth=opts.depth, top_k=opts.top_k, dtype=opts.dtype,
+                                    max_cached_requests=opts.max_cached_requests)
+        if not self.drafter.aux_layers:
+            model_config = getattr(vllm_config, "model_config", None)
+            layers = model_config.get_total_num_hidden_layers() if model_config is not None else None
+            if layers is None:
+                raise ValueError(f"{checkpoint}: config.json names no eagle_aux_hidden_state_layer_ids")
+            self.drafter.aux_layers = (2, layers // 2, layers - 3)
+        self.aux_hidden_state_layers = tuple(self.drafter.aux_layers)
+
+    def load_model(self, model: Any) -> None:
+        super().load_model(model)
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embed is None or not hasattr(embed, "weight"):
+            embed = model.model.embed_tokens
+        model_config = getattr(self.vllm_config, "model_config", None)
+        self.drafter.load(embed.weight, getattr(model_config, "dtype", None),
+                          model_config.get_total_num_hidden_layers() if model_config is not None else None)
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        ready = self.drafter.ingest(ctx)
+        want = [i for i in ready if ctx.needs_draft(i)]
+        trees: list[DraftTree | None] = [None] * ctx.num_reqs
+        if want and ctx.max_nodes > 0:
+            for i, tree in self.drafter.draft(ctx, want, ctx.max_nodes).items():
+                trees[i] = tree
+        return trees
+
+    def on_requests_finished(self, req_ids: set[str]) -> None:
+        self.drafter.release(req_ids)

@@ -1,0 +1,147 @@
+"""EAGLE-3 head: checkpoint format, and the proposer's incremental drafting equals the trainer's unrolled forward."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_treespec.api import ProposeContext
+from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
+from vllm_treespec.eagle.train import ttt_forward
+from vllm_treespec.proposers.eagle_tree import EagleDrafter, EagleTreeOptions
+
+VOCAB, HIDDEN = 300, 64
+
+
+def small_head(tmp_path, draft_vocab=120, seed=0) -> tuple[Eagle3Head, str]:
+    cfg = HeadConfig(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=96, vocab_size=VOCAB, draft_vocab_size=draft_vocab, rope_theta=10000.0,
+                     aux_layers=(1, 3, 5))
+    torch.manual_seed(seed)
+    embed = torch.randn(VOCAB, HIDDEN)
+    head = Eagle3Head(cfg, embed=embed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3)
+    head.set_draft_vocab(torch.sort(torch.randperm(VOCAB)[:draft_vocab]).values)
+    path = head.save(tmp_path / "head", dtype=torch.float32)
+    return head, str(path)
+
+
+def test_checkpoint_is_vllm_eagle3_format(tmp_path):
+    head, path = small_head(tmp_path)
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 120 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "head" / "model.safetensors")))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= names
+    assert not any(n.startswith("embed") for n in names)  # shared with the target, as vLLM expects
+    loaded = Eagle3Head.load(path, embed=head.embed.weight)
+    for (n1, p1), (n2, p2) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+def test_bad_checkpoints_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint"):
+        EagleTreeOptions(checkpoint=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        EagleTreeOptions(checkpoint=str(tmp_path / "empty"))
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        Eagle3Head.load(tmp_path / "empty", embed=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="depth"):
+        EagleTreeOptions(depth=0)
+
+
+def _context(seq: np.ndarray, aux: torch.Tensor, start: int, stop: int, sampled: list[int]) -> ProposeContext:
+    """Rows for positions start..stop-1 (the target read tokens start..stop-1; tokens up to stop are committed)."""
+    tokens = np.zeros((1, 256), np.int64)
+    tokens[0, : stop + 1] = seq[: stop + 1]
+    n = stop - start
+    return ProposeContext(req_ids=["r"], sampled_token_ids=[sampled], num_tokens=np.array([stop + 1]),
+                          token_ids=tokens, max_nodes=64,
+                          aux_hidden_states=[aux[start:stop, j] for j in range(aux.shape[1])],
+                          hidden_row_index=np.array([n - 1]), hidden_row_start=np.array([0]),
+                          hidden_position_start=np.array([start]))
+
+
+@pytest.mark.parametrize("chunks", [(40,), (17, 30, 35, 40)])
+def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks):
+    """Draft a top-1 chain (top_k=1) after ingesting the context in steps; the trainer's training-time-test forward
+    over the context followed by that chain must give the same tokens and probabilities at every depth. This pins
+    positions, the shared-embedding input shift, the per-request KV and the tree mask to what training optimises."""
+    head, path = small_head(tmp_path)
+    depth = 4
+    rng = np.random.default_rng(0)
+    end = chunks[-1]
+    seq = rng.integers(0, VOCAB, size=end + 1 + depth + 1)
+    aux = torch.randn(len(seq), 3, HIDDEN)
+    drafter = EagleDrafter(path, depth=depth, top_k=1)
+    drafter.load(head.embed.weight)
+    start = 0
+    for stop in chunks:
+        ctx = _context(seq, aux, start, stop, sampled=[int(seq[stop])])
+        assert drafter.ingest(ctx) == [0]
+        start = stop
+    tree = drafter.draft(ctx, [0], budget=depth)[0]
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+    # the chain continues the committed text: feed it to the unrolled forward as the following tokens
+    full = seq.copy()
+    full[end + 1: end + 1 + depth] = tree.token_ids
+    with torch.no_grad():
+        steps = list(ttt_forward(head, torch.from_numpy(full[None]), aux[None].flatten(-2), depth))
+    d2t = head.draft_to_target.numpy()
+    for k, logits in steps:
+        probs = torch.softmax(logits[0, end - 1], -1)  # row end-1: the last committed row
+        best = int(probs.argmax())
+        assert int(d2t[best]) == int(tree.token_ids[k]), f"depth {k + 1}"
+        assert float(probs[best]) == pytest.approx(float(tree.node_probs[k]), rel=1e-4, abs=1e-6)
+
+
+def test_tree_is_reranked_best_first_and_closed_under_parents(tmp_path):
+    head, path = small_head(tmp_path, seed=1)
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, VOCAB, size=40)
+    aux = torch.randn(40, 3, HIDDEN)
+    drafter = EagleDrafter(path, depth=5, top_k=4)
+    drafter.load(head.embed.weight)
+    ctx = _context(seq, aux, 0, 30, sampled=[int(seq[30])])
+    drafter.ingest(ctx)
+    tree = drafter.draft(ctx, [0], budget=20)[0]
+    assert tree.num_nodes == 20
+    parents = tree.parents
+    assert np.all(parents < np.arange(20))
+    path_scores = np.zeros(20)
+    for i in range(20):
+        path_scores[i] = np.log(tree.node_probs[i]) + (path_scores[parents[i]] if parents[i] >= 0 else 0.0)
+    # every node not kept (depth <= 5) scores at most the worst kept node: checked through a bigger budget
+    bigger = drafter.draft(ctx, [0], budget=200)[0]
+    big_scores = np.zeros(bigger.num_nodes)
+    for i in range(bigger.num_nodes):
+        p = bigger.parents[i]
+        big_scores[i] = np.log(bigger.node_probs[i]) + (big_scores[p] if p >= 0 else 0.0)
+    assert np.sort(big_scores)[::-1][:20] == pytest.approx(np.sort(path_scores)[::-1], rel=1e-5)
+    assert len(set(tree.token_ids[parents == -1].tolist())) == int((parents == -1).sum())
+
+
+def test_release_and_cache_bound(tmp_path):
+    head, path = small_head(tmp_path)
+    drafter = EagleDrafter(path, depth=2, top_k=2, max_cached_requests=3)
+    drafter.load(head.embed.weight)
+    seq = np.arange(20) % VOCAB
+    aux = torch.randn(20, 3, HIDDEN)
+    for r in range(5):
+        ctx = _context(seq, aux, 0, 10, sampled=[int(seq[10])])
+        ctx.req_ids = [f"req{r}"]
+        drafter.ingest(ctx)
+    assert len(drafter.states) == 3 and "req4" in drafter.states and "req0" not in drafter.states
+    drafter.release({"req4"})
+    assert "req4" not in drafter.states
