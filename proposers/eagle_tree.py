@@ -73,10 +73,9 @@ class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         for name in ("depth", "top_k", "max_cached_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eagle_tree option {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint is not None and self.checkpoint != "auto":
-            if not os.path.exists(self.checkpoint):
-                raise ValueError(f"eagle_tree option 'checkpoint': no such file or directory {self.checkpoint!r}")
-            resolve_checkpoint(self.checkpoint, "eagle_tree option 'checkpoint'")
+        if self.checkpoint not in (None, "auto") and not os.path.exists(self.checkpoint):
+            raise ValueError(f"eagle_tree option 'checkpoint': no such file or directory {self.checkpoint!r}")
+        resolve_checkpoint(self.checkpoint, "eagle_tree option 'checkpoint'")
 
 
 @dataclass

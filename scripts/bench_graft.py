@@ -4,9 +4,12 @@ For each configuration a fresh engine (embedded SmolLM2-135M-Instruct, fp32 unle
 for every prompt one at a time (batch 1) after a short warm-up. tau = 1 + accepted / drafts from vLLM's own
 spec-decode counters (steps that proposed nothing are not drafts, so tok/s is the end-to-end figure); every output is
 compared with the no-speculation output. Configurations: no speculation; vLLM ``ngram`` (k=5, prompt lookup 2..4);
-``suffix_tree``; ``ngram_tree``; ``graft``; and the ablations graft without pruning / without grafting.
+vLLM ``eagle3`` (k=5) with the trained head; ``suffix_tree``; ``ngram_tree``; ``eagle_tree``; ``graft`` (on the EAGLE
+head); the ablations graft without pruning / without grafting; and graft without the head (retrieval-only). The
+EAGLE rows need a head (``--head``, default: the one ``vllm-treespec train-eagle`` wrote to the cache); without one
+they are skipped. ShareGPT prompts come from the benchmark prefix that EAGLE training never sees.
 
-    python scripts/bench_graft.py [--mt-bench 4] [--human-eval 4] [--max-tokens 128] [--budget 32]
+    python scripts/bench_graft.py [--mt-bench 4] [--human-eval 4] [--sharegpt 4] [--max-tokens 128] [--budget 32]
                                   [--graft-options '{"calibration_path": "graft_calibration.json"}'] [--out r.json]
 """
 
@@ -18,18 +21,28 @@ import json
 import time
 
 
-def configs(budget: int, graft_options: dict) -> list[tuple[str, dict | None]]:
+def configs(budget: int, graft_options: dict, head: str | None) -> list[tuple[str, dict | None]]:
     graft = {"method": "graft", "num_speculative_tokens": budget, **graft_options}
-    return [
+    out = [
         ("no speculation", None),
         ("vllm ngram", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
                         "prompt_lookup_min": 2}),
-        ("suffix_tree", {"method": "suffix_tree", "num_speculative_tokens": budget}),
-        ("ngram_tree", {"method": "ngram_tree", "num_speculative_tokens": budget}),
+    ]
+    if head:
+        out.append(("vllm eagle3 k=5", {"method": "eagle3", "model": head, "num_speculative_tokens": 5}))
+    out += [("suffix_tree", {"method": "suffix_tree", "num_speculative_tokens": budget}),
+            ("ngram_tree", {"method": "ngram_tree", "num_speculative_tokens": budget})]
+    if head:
+        out.append(("eagle_tree", {"method": "eagle_tree", "num_speculative_tokens": budget, "checkpoint": head}))
+        graft = {"eagle_checkpoint": head, **graft}
+    out += [
         ("graft", graft),
         ("graft w/o pruning", {**graft, "prune": False}),
         ("graft w/o grafting", {**graft, "graft": False}),
     ]
+    if head:
+        out.append(("graft retrieval-only", {**graft, "eagle_checkpoint": "none"}))
+    return out
 
 
 def spec_counters(llm) -> dict[str, float]:
@@ -69,6 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--mt-bench", type=int, default=4)
     parser.add_argument("--human-eval", type=int, default=4)
+    parser.add_argument("--sharegpt", type=int, default=0, help="ShareGPT first turns (benchmark prefix)")
+    parser.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the trained default, if any)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--budget", type=int, default=32, help="num_speculative_tokens of the tree methods")
     parser.add_argument("--graft-options", default="{}", help="extra graft options as JSON")
@@ -84,8 +99,20 @@ def main(argv=None) -> int:
     cpu_memory_defaults()
     model = args.model or str(ensure_smollm2())
     prompts = calibration_prompts(model, args.mt_bench, args.human_eval)
+    if args.sharegpt:
+        from transformers import AutoTokenizer
+
+        from vllm_treespec.data import chat_prompt, sharegpt
+
+        tok = AutoTokenizer.from_pretrained(model)
+        prompts += [chat_prompt(tok, q["turns"][0][:4000]) for q in sharegpt(args.sharegpt)]
+    head = args.head
+    if head is None:
+        from vllm_treespec.proposers.eagle_tree import default_head_path
+
+        head = str(default_head_path()) if (default_head_path() / "config.json").is_file() else None
     results: dict[str, dict] = {}
-    for name, spec in configs(args.budget, json.loads(args.graft_options)):
+    for name, spec in configs(args.budget, json.loads(args.graft_options), head):
         if args.only and spec is not None and name not in args.only:
             continue
         results[name] = run(model, spec, prompts, args.max_tokens, args.dtype)
@@ -93,7 +120,8 @@ def main(argv=None) -> int:
         print(f"[{name}] {r['tok_s']:.2f} tok/s, tau {r['tau']:.2f} (engine start {r['startup_s']:.0f} s)", flush=True)
 
     base = results["no speculation"]
-    print(f"\n{len(prompts)} prompts ({args.mt_bench} MT-Bench, {args.human_eval} HumanEval), batch 1, "
+    print(f"\n{len(prompts)} prompts ({args.mt_bench} MT-Bench, {args.human_eval} HumanEval, {args.sharegpt} ShareGPT), "
+          f"batch 1, head {head}, "
           f"max_tokens {args.max_tokens}, tree budget {args.budget}, {args.dtype}")
     print(f"{'method':<20} {'tau':>6} {'tok/s':>7} {'x no-spec':>10} {'draft tok/step':>15} {'identical':>10}")
     for name, r in results.items():

@@ -54,6 +54,14 @@ BAD_CONFIGS = [
     ("static-depth-type", {"method": "static_tree", "depth": "4"}, ["depth", "Expected `int`"]),
     ("static-branches-list", {"method": "static_tree", "branches": [1]}, ["branches"]),
     ("static-unknown-key", {"method": "static_tree", "width": 2}, ["width", "unknown"]),
+    ("eagle-checkpoint-missing", {"method": "eagle_tree", "checkpoint": "/nonexistent/head"},
+     ["checkpoint", "no such file"]),
+    ("eagle-checkpoint-not-a-head", {"method": "eagle_tree", "checkpoint": "/"}, ["checkpoint", "config.json"]),
+    ("eagle-depth-zero", {"method": "eagle_tree", "checkpoint": "/nonexistent/head", "depth": 0}, ["depth", ">= 1"]),
+    ("eagle-top-k-type", {"method": "eagle_tree", "top_k": "8"}, ["top_k", "Expected `int`"]),
+    ("eagle-dtype", {"method": "eagle_tree", "dtype": "int8"}, ["dtype"]),
+    ("graft-eagle-checkpoint-not-a-head", {"method": "graft", "eagle_checkpoint": "/"},
+     ["eagle_checkpoint", "config.json"]),
 ]
 
 

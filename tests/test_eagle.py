@@ -16,10 +16,10 @@ from vllm_treespec.proposers.eagle_tree import EagleDrafter, EagleTreeOptions
 VOCAB, HIDDEN = 300, 64
 
 
-def small_head(tmp_path, draft_vocab=120, seed=0) -> tuple[Eagle3Head, str]:
+def small_head(tmp_path, draft_vocab=120, seed=0, norm_before_fc=False) -> tuple[Eagle3Head, str]:
     cfg = HeadConfig(hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      intermediate_size=96, vocab_size=VOCAB, draft_vocab_size=draft_vocab, rope_theta=10000.0,
-                     aux_layers=(1, 3, 5))
+                     aux_layers=(1, 3, 5), norm_before_fc=norm_before_fc)
     torch.manual_seed(seed)
     embed = torch.randn(VOCAB, HIDDEN)
     head = Eagle3Head(cfg, embed=embed)
@@ -32,8 +32,9 @@ def small_head(tmp_path, draft_vocab=120, seed=0) -> tuple[Eagle3Head, str]:
     return head, str(path)
 
 
-def test_checkpoint_is_vllm_eagle3_format(tmp_path):
-    head, path = small_head(tmp_path)
+@pytest.mark.parametrize("norm_before_fc", [False, True])
+def test_checkpoint_is_vllm_eagle3_format(tmp_path, norm_before_fc):
+    head, path = small_head(tmp_path, norm_before_fc=norm_before_fc)
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draft_vocab_size"] == 120 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
@@ -43,6 +44,7 @@ def test_checkpoint_is_vllm_eagle3_format(tmp_path):
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
             "lm_head.weight", "d2t", "t2d"} <= names
     assert not any(n.startswith("embed") for n in names)  # shared with the target, as vLLM expects
+    assert ("input_norm.weight" in names) == norm_before_fc == cfg["eagle_config"]["norm_before_fc"]
     loaded = Eagle3Head.load(path, embed=head.embed.weight)
     for (n1, p1), (n2, p2) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2), n1
@@ -73,12 +75,12 @@ def _context(seq: np.ndarray, aux: torch.Tensor, start: int, stop: int, sampled:
                           hidden_position_start=np.array([start]))
 
 
-@pytest.mark.parametrize("chunks", [(40,), (17, 30, 35, 40)])
-def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks):
+@pytest.mark.parametrize("chunks,norm_before_fc", [((40,), False), ((17, 30, 35, 40), True)])
+def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks, norm_before_fc):
     """Draft a top-1 chain (top_k=1) after ingesting the context in steps; the trainer's training-time-test forward
     over the context followed by that chain must give the same tokens and probabilities at every depth. This pins
     positions, the shared-embedding input shift, the per-request KV and the tree mask to what training optimises."""
-    head, path = small_head(tmp_path)
+    head, path = small_head(tmp_path, norm_before_fc=norm_before_fc)
     depth = 4
     rng = np.random.default_rng(0)
     end = chunks[-1]

@@ -181,3 +181,43 @@ def test_hidden_states_are_chainized_and_kv_view_reads(base, model, prompts, tmp
     assert counters["num_accepted_tokens"] > 0
     assert probe["checked"] > 20 and probe["mismatched"] == 0, probe
     assert probe["kv_reads"] == probe["checked"], probe
+
+
+def _eagle_head(model: str, out) -> tuple[str, bool]:
+    """The trained default head when this machine has one (then drafts are good), else a random head of the right
+    shape (drafts are rarely accepted, but every step still ingests hidden states and drafts a dynamic tree)."""
+    from vllm_treespec.proposers.eagle_tree import default_head_path
+
+    if (default_head_path() / "config.json").is_file():
+        return str(default_head_path()), True
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
+    from vllm_treespec.eagle.train import _target_tensors
+
+    embed, norm = _target_tensors(model)
+    cfg = HeadConfig.from_target(AutoConfig.from_pretrained(model), draft_vocab_size=2048)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg, embed=embed)
+    ids = torch.arange(2048) * 3
+    head.set_draft_vocab(ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(embed[ids])
+        head.norm.weight.copy_(norm)
+    return str(head.save(out)), False
+
+
+def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
+    head, trained = _eagle_head(model, tmp_path / "head")
+    llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
+                           "top_k": 6})
+    try:
+        got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 20 * counters["num_drafts"]  # trees
+    if trained:
+        assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.8, counters

@@ -106,13 +106,20 @@ class HiddenStateProbeProposer(TreeProposer):
             if not ctx.needs_draft(i):
                 trees.append(None)
                 continue
-            row = int(ctx.hidden_row_index[i])
+            # every committed row whose prediction was committed this step (greedy: the target's argmax) must
+            # reproduce it: rows start..index sit at positions hidden_position_start onwards, row at p predicted p+1
+            first, last = int(ctx.hidden_row_start[i]), int(ctx.hidden_row_index[i])
+            p0 = int(ctx.hidden_position_start[i])
+            new_from = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
+            rows = [r for r in range(first, last + 1) if p0 + (r - first) + 1 >= new_from]
             with torch.no_grad():
-                logits = self.model.compute_logits(ctx.hidden_states[row: row + 1])
-            self.checked += 1
-            self.mismatched += int(logits.argmax(-1).item() != ctx.sampled_token_ids[i][-1])
+                logits = self.model.compute_logits(ctx.hidden_states[rows])
+            want = [int(ctx.token_ids[i, p0 + (r - first) + 1]) for r in rows]
+            self.checked += len(rows)
+            self.mismatched += int(sum(a != b for a, b in zip(logits.argmax(-1).tolist(), want)))
+            self.mismatched += int(want[-1] != ctx.sampled_token_ids[i][-1])
             k, v = ctx.kv_cache.read(0, i)
-            self.kv_reads += int(k.shape[0] == int(ctx.num_tokens[i]) - 1 and torch.isfinite(k).all().item())
+            self.kv_reads += len(rows) * int(k.shape[0] == int(ctx.num_tokens[i]) - 1 and torch.isfinite(k).all().item())
             chains = lookup_branches(ctx.committed(i), 4, 6)
             trees.append(DraftTree.from_branches(chains) if chains else None)
         with open(self.options.report_path, "w") as f:

@@ -5,6 +5,7 @@
     vllm-treespec model smollm2|tiny                 build the embedded model folders, print the path
     vllm-treespec datastore build ...                build a retrieval corpus datastore
     vllm-treespec graft calibrate [...]              pick Graft's confidence thresholds and budget table
+    vllm-treespec train-eagle -o DIR [...]           train an EAGLE-3 head for a target (vLLM eagle3 format)
     vllm-treespec bench [serve] [...]                speed / acceptance / exactness benchmarks
 """
 
@@ -76,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_treespec.proposers.graft import calibrate_main
 
         return calibrate_main(rest[1:])
+    if command == "train-eagle":
+        from vllm_treespec.eagle.train import main as train_main
+
+        return train_main(rest)
     if command == "bench":
         from vllm_treespec.bench import main as bench_main
 

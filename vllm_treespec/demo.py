@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", help="float32 makes greedy output exactly comparable")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--train-eagle", action="store_true",
+                        help="first train the EAGLE-3 head graft / eagle_tree use, if it is not there yet "
+                             "(about 45 min on 2 CPU cores; `vllm-treespec train-eagle --help`)")
     args = parser.parse_args(argv)
 
     from vllm_treespec.cli import cpu_memory_defaults
@@ -40,6 +43,18 @@ def main(argv=None) -> int:
 
     cpu_memory_defaults()
     model = args.model or str(ensure_smollm2())
+    from vllm_treespec.proposers.eagle_tree import default_head_path
+
+    head = default_head_path()
+    if args.model is None and not (head / "config.json").is_file():
+        if args.train_eagle:
+            from vllm_treespec.eagle.train import main as train_eagle
+
+            if train_eagle(["-o", str(head)]) != 0:
+                return 1
+        elif args.method in ("graft", "eagle_tree"):
+            print(f"note: no trained EAGLE-3 head at {head}: graft drafts retrieval-only trees "
+                  "(eagle_tree needs the head). `bash scripts/demo.sh --train-eagle` trains it once.", flush=True)
     from vllm import LLM, SamplingParams
     from transformers import AutoTokenizer
 

@@ -42,6 +42,9 @@ class HeadConfig:
     max_position_embeddings: int = 8192
     aux_layers: tuple[int, ...] = (2, 15, 27)
     target_hidden_size: int | None = None
+    #: RMSNorm over the concatenated aux states before ``fc`` (vLLM's ``norm_before_fc``): the target's residual
+    #: streams carry massive activations (SmolLM2: single dims of 100s to 10^4) that otherwise dominate ``fc``
+    norm_before_fc: bool = False
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -72,7 +75,7 @@ class HeadConfig:
                 "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": False,
                 "target_hidden_size": self.target_hidden_size or self.hidden_size,
                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
-                                 "use_aux_hidden_state": True},
+                                 "use_aux_hidden_state": True, "norm_before_fc": self.norm_before_fc},
                 "torch_dtype": "bfloat16", **self.extra}
 
     @classmethod
@@ -85,7 +88,7 @@ class HeadConfig:
             raise ValueError(f"EAGLE-3 heads with {cfg['num_hidden_layers']} layers are not supported (expected 1)")
         eagle = cfg.get("eagle_config") or {}
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
-        for flag in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "attention_bias"):
+        for flag in ("fc_norm", "norm_before_residual", "norm_output", "attention_bias"):
             if cfg.get(flag) or eagle.get(flag):
                 raise ValueError(f"EAGLE-3 variant with {flag}=true is not supported by eagle_tree")
         heads = cfg["num_attention_heads"]
@@ -97,7 +100,8 @@ class HeadConfig:
                    draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
                    rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=float(rope),
                    max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-                   aux_layers=tuple(aux) if aux else (), target_hidden_size=cfg.get("target_hidden_size"))
+                   aux_layers=tuple(aux) if aux else (), target_hidden_size=cfg.get("target_hidden_size"),
+                   norm_before_fc=bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))))
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +172,10 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(len(cfg.aux_layers) * (cfg.target_hidden_size or h), h, bias=False)
+        fc_in = len(cfg.aux_layers) * (cfg.target_hidden_size or h)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(fc_in, cfg.rms_norm_eps)
+        self.fc = nn.Linear(fc_in, h, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
@@ -196,7 +203,10 @@ class Eagle3Head(nn.Module):
         """[..., n_aux * H] or [..., n_aux, H] target hidden states → the head's input hidden [..., H]."""
         if aux.dim() >= 2 and aux.shape[-2] == len(self.cfg.aux_layers) and aux.shape[-1] != self.fc.in_features:
             aux = aux.flatten(-2)
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
 
     def layer_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """q, k, v ([..., T, heads|kv_heads, D]) of the layer for inputs (token, hidden) at ``positions``."""

@@ -197,11 +197,14 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
     embed, final_norm = _target_tensors(model_dir)
     vocab_ids = draft_vocabulary(feats, draft_vocab)
     cfg = HeadConfig.from_target(target_cfg, draft_vocab_size=len(vocab_ids), aux_layers=feats.aux_layers)
+    cfg.norm_before_fc = True
     head = Eagle3Head(cfg, embed=embed)
     head.set_draft_vocab(torch.from_numpy(vocab_ids))
     with torch.no_grad():  # start from the target's own output layer: the head learns to land in its space
         head.lm_head.weight.copy_(embed[torch.from_numpy(vocab_ids)])
         head.norm.weight.copy_(final_norm)
+        head.input_norm.weight.copy_(_balancing_norm_weight(feats))
+        _self_attention_init(head)
     target_rows = (embed[torch.from_numpy(vocab_ids)] * 1.0).float()
     target_embed = embed.float()
 
@@ -303,6 +306,33 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
                   "draft_vocab_size": int(len(vocab_ids))}
 
 
+def _self_attention_init(head, alpha: float = 2.5) -> None:
+    """Start with attention focused on the row itself: every query head copies its KV head's key projection,
+    scaled so the own key outscores hundreds of others. EAGLE-3 sees the input token's embedding only through
+    attention; from a random init that path is diluted over the whole context and learns slowly."""
+    import torch
+
+    attn = head.midlayer.self_attn
+    groups = attn.heads // attn.kv_heads
+    with torch.no_grad():
+        k = attn.k_proj.weight.view(attn.kv_heads, attn.head_dim, -1)
+        attn.q_proj.weight.copy_(k.repeat_interleave(groups, 0).reshape(attn.heads * attn.head_dim, -1) * alpha)
+        attn.k_proj.weight.mul_(alpha)
+
+
+def _balancing_norm_weight(feats: Features, sample: int = 4096):
+    """Initial ``input_norm`` weight: per dimension, overall RMS / that dimension's RMS (clipped), so that the
+    massive-activation dimensions of the residual streams start on the same footing as the others."""
+    import torch
+
+    n = min(sample, feats.aux.shape[0])
+    rows = np.sort(np.random.RandomState(0).choice(feats.aux.shape[0], n, replace=False))
+    x = torch.from_numpy(np.ascontiguousarray(feats.aux[rows])).view(torch.bfloat16).float().flatten(-2)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)  # what the norm sees
+    per_dim = x.pow(2).mean(0).sqrt()
+    return (per_dim.mean() / per_dim.clamp_min(1e-3)).clamp(0.02, 50.0)
+
+
 def _target_tensors(model_dir: str):
     """The target's input embedding (= LM head: SmolLM2 ties them) and final norm weight, fp32, without the model."""
     import torch
@@ -334,14 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=None, help="intermediate data and the resumable checkpoint "
                    "(default: <cache>/eagle-work-<model name>)")
     p.add_argument("-o", "--out", required=True, help="output folder of the vLLM eagle3 checkpoint")
-    p.add_argument("--num-prompts", type=int, default=1600, help="ShareGPT prompts the target answers")
+    p.add_argument("--num-prompts", type=int, default=1024, help="ShareGPT prompts the target answers")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length per prompt")
     p.add_argument("--max-len", type=int, default=640, help="tokens per training sequence (prompt + answer)")
     p.add_argument("--aux-layers", default=None, help="comma-separated target layers (default: 2, L/2, L-3 as vLLM)")
     p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB)
     p.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unrolled steps")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--batch-tokens", type=int, default=1536, help="padded tokens per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=50)
