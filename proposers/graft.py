@@ -285,7 +285,7 @@ class EagleModelDrafter(ModelDrafter):
     def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
         from vllm_treespec.proposers.eagle_tree import EagleDrafter
 
-        self.drafter = EagleDrafter(checkpoint, depth=depth, top_k=top_k)
+        self.drafter = EagleDrafter(checkpoint, depth=depth, top_k=top_k, dtype="bfloat16")
         if not self.drafter.aux_layers:
             model_config = getattr(vllm_config, "model_config", None)
             if model_config is None:

@@ -306,6 +306,21 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
                   "draft_vocab_size": int(len(vocab_ids))}
 
 
+def load_checkpoint_head(work: Path, model_dir: str):
+    """The head of the resumable training checkpoint ``work/ckpt.pt`` (for ``--stage export``)."""
+    import torch
+
+    from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
+
+    state = torch.load(work / "ckpt.pt", map_location="cpu", weights_only=False)
+    embed, _ = _target_tensors(model_dir)
+    head = Eagle3Head(HeadConfig(**state["cfg"]), embed=embed)
+    head.load_state_dict(state["head"])
+    summary = {"steps": state["step"], "wall_s": round(state["elapsed"], 1),
+               "draft_vocab_size": int(len(state["vocab_ids"]))}
+    return head, summary
+
+
 def _self_attention_init(head, alpha: float = 2.5) -> None:
     """Start with attention focused on the row itself: every query head copies its KV head's key projection,
     scaled so the own key outscores hundreds of others. EAGLE-3 sees the input token's embedding only through
@@ -377,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time (resumable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stage", choices=("all", "generate", "features", "train"), default="all",
-                   help="stop after this stage (default: all, then export)")
+    p.add_argument("--stage", choices=("all", "generate", "features", "train", "export"), default="all",
+                   help="stop after this stage (default: all, then export); 'export' only writes the checkpoint's "
+                        "head as it is now")
     return p
 
 
@@ -414,10 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     timings["features_s"] = round(time.time() - t0, 1)
     if args.stage == "features":
         return 0
-    head, summary = train(features, model_dir, work / "train", draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
-                          epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
-                          valid_fraction=args.valid_fraction, seed=args.seed, log_every=args.log_every,
-                          max_minutes=args.max_minutes)
+    if args.stage == "export":
+        head, summary = load_checkpoint_head(work / "train", model_dir)
+    else:
+        head, summary = train(features, model_dir, work / "train", draft_vocab=args.draft_vocab,
+                              ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
+                              valid_fraction=args.valid_fraction, seed=args.seed, log_every=args.log_every,
+                              max_minutes=args.max_minutes)
     if args.stage == "train":
         return 0
     log = [json.loads(line) for line in open(work / "train" / "train_log.jsonl")]
