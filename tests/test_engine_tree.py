@@ -220,4 +220,4 @@ def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
     assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 20 * counters["num_drafts"]  # trees
     if trained:
-        assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.8, counters
+        assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5, counters  # tau > 1.5

@@ -38,7 +38,8 @@ DEFAULT_METHODS = ('none;'
                    'ngram:{"num_speculative_tokens":5,"prompt_lookup_max":4,"prompt_lookup_min":2};'
                    'suffix:{"num_speculative_tokens":32};'
                    'suffix_tree:{"num_speculative_tokens":32};'
-                   'ngram_tree:{"num_speculative_tokens":32}')
+                   'ngram_tree:{"num_speculative_tokens":32};'
+                   'graft:{"num_speculative_tokens":32}')
 PROMPT_SET_ALIASES = {"human_eval": "humaneval", "mtbench": "mt_bench", "mt-bench": "mt_bench"}
 #: vLLM methods that need a package vLLM does not depend on: (module, pip name).
 OPTIONAL_DEPENDENCIES = {"suffix": ("arctic_inference", "arctic-inference")}

