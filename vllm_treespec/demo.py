@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--train-eagle", action="store_true",
                         help="first train the EAGLE-3 head graft / eagle_tree use, if it is not there yet "
-                             "(about 45 min on 2 CPU cores; `vllm-treespec train-eagle --help`)")
+                             "(about 35 min on 2 CPU cores; `vllm-treespec train-eagle --help`)")
     args = parser.parse_args(argv)
 
     from vllm_treespec.cli import cpu_memory_defaults
@@ -52,9 +52,10 @@ def main(argv=None) -> int:
 
             if train_eagle(["-o", str(head)]) != 0:
                 return 1
-        elif args.method in ("graft", "eagle_tree"):
-            print(f"note: no trained EAGLE-3 head at {head}: graft drafts retrieval-only trees "
-                  "(eagle_tree needs the head). `bash scripts/demo.sh --train-eagle` trains it once.", flush=True)
+        elif args.method == "eagle_tree":
+            print(f"eagle_tree needs a trained EAGLE-3 head and there is none at {head}: "
+                  "`bash scripts/demo.sh --method eagle_tree --train-eagle` trains it once (~35 min).", flush=True)
+            return 2
     from vllm import LLM, SamplingParams
     from transformers import AutoTokenizer
 
