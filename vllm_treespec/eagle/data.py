@@ -81,6 +81,21 @@ def generate(model_dir: str, out_path: Path, num_prompts: int, max_tokens: int, 
     return out_path
 
 
+def length_batches(order, lengths, batch_tokens: int) -> list[list[int]]:
+    """Consecutive items of ``order`` (sorted by length) grouped so each batch pads to at most ``batch_tokens``."""
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def extract_features(model_dir: str, conversations: Path, out_dir: Path, aux_layers: tuple[int, ...],
                      max_len: int = 640, dtype: str = "bfloat16", batch_tokens: int = 4096) -> Path:
     """Teacher forcing over the generated conversations. Writes ``tokens.npy`` (int32, all conversations
@@ -104,25 +119,16 @@ def extract_features(model_dir: str, conversations: Path, out_dir: Path, aux_lay
         m = np.zeros(len(ids), np.uint8)
         m[len(r["prompt_ids"]):] = 1
         masks.append(m)
-    total = int(sum(len(s) for s in seqs))
+    lengths = np.array([len(s) for s in seqs])
+    total = int(lengths.sum())
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     model.eval()
     hidden = model.config.hidden_size
     aux = np.lib.format.open_memmap(out_dir / "aux.npy.partial", "w+", np.uint16, (total, len(aux_layers), hidden))
     final = np.lib.format.open_memmap(out_dir / "final.npy.partial", "w+", np.uint16, (total, hidden))
-    offsets = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
-    order = np.argsort([len(s) for s in seqs])  # similar lengths per batch: little padding
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = len(seqs[i])
-        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    if cur:
-        batches.append(cur)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    batches = length_batches(np.argsort(lengths), lengths, batch_tokens)  # similar lengths: little padding
     with torch.inference_mode(), tqdm(total=total, desc="features", unit="tok", unit_scale=True) as bar:
         for b in batches:
             n = max(len(seqs[i]) for i in b)

@@ -74,17 +74,10 @@ class Features:
 
 def make_batches(lengths: np.ndarray, idx: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Length-bucketed batches of at most ``batch_tokens`` padded tokens, in random order."""
+    from vllm_treespec.eagle.data import length_batches
+
     order = sorted(idx.tolist(), key=lambda i: (lengths[i], rng.random()))
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        n = int(lengths[i])
-        if cur and max(cur_max, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, n)
-    if cur:
-        batches.append(cur)
+    batches = length_batches(order, lengths, batch_tokens)
     rng.shuffle(batches)
     return batches
 
@@ -261,10 +254,8 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
             f.write(json.dumps(record) + "\n")
     head.train()
     bar = tqdm(total=total_steps, initial=step, desc="train-eagle", unit="step")
-    batches: list[list[int]] = []
-    epoch_index = step // per_epoch
-    for _ in range(epoch_index + 1):
-        batches = make_batches(lengths, train_idx, batch_tokens, random.Random(seed + _))
+    # the epoch's batch order is seeded by its index, so a resumed run continues the same order
+    batches = make_batches(lengths, train_idx, batch_tokens, random.Random(seed + step // per_epoch))
     started = time.time() - elapsed
     run_acc, run_loss, run_n = np.zeros(ttt_steps), 0.0, 0
     while step < total_steps:
