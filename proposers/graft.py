@@ -259,22 +259,8 @@ class ModelDrafter(abc.ABC):
 
 def draft_tree_levels(tree: DraftTree) -> list[DraftLevel]:
     """A draft tree as levels, nodes renumbered in level order (parents first)."""
-    if tree.num_nodes == 0:
-        return []
-    depths = tree.depths()
-    order = np.argsort(depths, kind="stable")
-    new_index = np.empty_like(order)
-    new_index[order] = np.arange(order.size)
     probs = tree.node_probs if tree.node_probs is not None else np.ones(tree.num_nodes, np.float32)
-    log_probs = np.log(np.maximum(probs.astype(np.float64), 1e-30))
-    levels, start = [], 0
-    for d in range(1, int(depths.max()) + 1):
-        nodes = order[start: start + int((depths == d).sum())]
-        start += nodes.size
-        parents = tree.parents[nodes].astype(np.int64)
-        levels.append(DraftLevel(tree.token_ids[nodes], np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]),
-                                 log_probs[nodes]))
-    return levels
+    return list(_levels(tree.token_ids, tree.parents, tree.depths(), probs))
 
 
 class EagleModelDrafter(ModelDrafter):
@@ -397,19 +383,24 @@ class DraftGrowth:
 
 def tree_levels(tree: RetrievedTree) -> Iterator[DraftLevel]:
     """A retrieved tree (best-first order) as draft levels, nodes renumbered in level order."""
-    if tree.num_nodes == 0:
+    return _levels(tree.token_ids, tree.parents, tree.depths(), tree.probs)
+
+
+def _levels(token_ids: np.ndarray, parents: np.ndarray, depths: np.ndarray, probs: np.ndarray
+            ) -> Iterator[DraftLevel]:
+    """Nodes of a topologically ordered tree grouped by depth, renumbered in level order, with log-probs."""
+    if token_ids.size == 0:
         return
-    depths = tree.depths()
     order = np.argsort(depths, kind="stable")
     new_index = np.empty_like(order)
     new_index[order] = np.arange(order.size)
-    log_probs = np.log(np.maximum(tree.probs.astype(np.float64), 1e-30))
+    log_probs = np.log(np.maximum(np.asarray(probs, np.float64), 1e-30))
     start = 0
     for d in range(1, int(depths.max()) + 1):
         nodes = order[start: start + int((depths == d).sum())]
         start += nodes.size
-        parents = tree.parents[nodes]
-        yield DraftLevel(tree.token_ids[nodes], np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]),
+        node_parents = parents[nodes].astype(np.int64)
+        yield DraftLevel(token_ids[nodes], np.where(node_parents < 0, -1, new_index[np.maximum(node_parents, 0)]),
                          log_probs[nodes])
 
 

@@ -389,3 +389,14 @@ def test_engine_greedy_identical_to_no_speculation():
     assert got == expected
     assert got1 == expected[:2]
     assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
+
+
+def test_draft_tree_levels_renumber_parents_first():
+    from vllm_treespec.proposers.graft import draft_tree_levels
+
+    tree = DraftTree(np.array([5, 6, 7, 8, 9]), np.array([-1, -1, 0, 1, 2]),
+                     np.array([0.5, 0.25, 1.0, 0.5, 0.125], np.float32))
+    levels = draft_tree_levels(tree)
+    assert [lv.token_ids.tolist() for lv in levels] == [[5, 6], [7, 8], [9]]
+    assert [lv.parents.tolist() for lv in levels] == [[-1, -1], [0, 1], [2]]
+    assert np.allclose(np.exp(np.concatenate([lv.log_probs for lv in levels])), [0.5, 0.25, 1.0, 0.5, 0.125])
