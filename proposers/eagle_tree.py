@@ -109,14 +109,21 @@ class EagleDrafter:
     """The head plus per-request caches. ``draft(ctx, rows, budget)`` returns EAGLE-2 trees."""
 
     def __init__(self, checkpoint: str, *, depth: int, top_k: int, dtype: str = "float32",
-                 max_cached_requests: int = 1024) -> None:
+                 max_cached_requests: int = 1024, num_target_layers: int | None = None) -> None:
         import json
+
+        from vllm_treespec.eagle.model import default_aux_layers
 
         cfg = json.loads((Path(checkpoint) / "config.json").read_text())
         eagle = cfg.get("eagle_config") or {}
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+        if not aux:  # as vLLM: the target's default EAGLE-3 layers
+            if num_target_layers is None:
+                raise ValueError(f"{checkpoint}: config.json names no eagle_aux_hidden_state_layer_ids")
+            aux = default_aux_layers(num_target_layers)
         self.checkpoint = checkpoint
-        self.aux_layers: tuple[int, ...] = tuple(aux) if aux else ()
+        #: the target layers whose hidden states the head reads, in its fc input order
+        self.aux_layers: tuple[int, ...] = tuple(aux)
         self.depth, self.top_k, self.dtype_name = depth, top_k, dtype
         self.max_cached_requests = max_cached_requests
         self.head = None
@@ -124,7 +131,21 @@ class EagleDrafter:
         self._tick = 0
 
     # --- loading ----------------------------------------------------------------------------------------------
-    def load(self, embed, target_dtype=None, num_layers: int | None = None) -> None:
+    @classmethod
+    def for_target(cls, checkpoint: str, vllm_config: Any, **kwargs: Any) -> "EagleDrafter":
+        """A drafter for the target of ``vllm_config`` (its layer count names the default aux layers)."""
+        model_config = getattr(vllm_config, "model_config", None)
+        layers = model_config.get_total_num_hidden_layers() if model_config is not None else None
+        return cls(checkpoint, num_target_layers=layers, **kwargs)
+
+    def load_from_target(self, model: Any, vllm_config: Any) -> None:
+        """Load the head with the loaded target model's input embedding (shared, as in vLLM)."""
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embed is None or not hasattr(embed, "weight"):
+            embed = model.model.embed_tokens
+        self.load(embed.weight, getattr(getattr(vllm_config, "model_config", None), "dtype", None))
+
+    def load(self, embed, target_dtype=None) -> None:
         import torch
 
         from vllm_treespec.eagle.model import Eagle3Head
@@ -133,11 +154,9 @@ class EagleDrafter:
             dtype = target_dtype or torch.float32
         else:
             dtype = getattr(torch, self.dtype_name)
-        default_aux = (2, num_layers // 2, num_layers - 3) if num_layers else None
         self.head = Eagle3Head.load(self.checkpoint, embed=embed.detach().to("cpu", torch.float32), dtype=dtype,
-                                    default_aux_layers=default_aux)
+                                    default_aux_layers=self.aux_layers)
         self.head.eval().requires_grad_(False)
-        self.aux_layers = self.head.cfg.aux_layers
         cfg = self.head.cfg
         self.kv_heads, self.heads, self.head_dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -346,24 +365,13 @@ class EagleTreeProposer(TreeProposer):
         super().__init__(vllm_config, options)
         opts: EagleTreeOptions = self.options
         checkpoint = resolve_checkpoint(opts.checkpoint, "eagle_tree option 'checkpoint'")
-        self.drafter = EagleDrafter(checkpoint, depth=opts.depth, top_k=opts.top_k, dtype=opts.dtype,
-                                    max_cached_requests=opts.max_cached_requests)
-        if not self.drafter.aux_layers:
-            model_config = getattr(vllm_config, "model_config", None)
-            layers = model_config.get_total_num_hidden_layers() if model_config is not None else None
-            if layers is None:
-                raise ValueError(f"{checkpoint}: config.json names no eagle_aux_hidden_state_layer_ids")
-            self.drafter.aux_layers = (2, layers // 2, layers - 3)
-        self.aux_hidden_state_layers = tuple(self.drafter.aux_layers)
+        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=opts.depth, top_k=opts.top_k,
+                                               dtype=opts.dtype, max_cached_requests=opts.max_cached_requests)
+        self.aux_hidden_state_layers = self.drafter.aux_layers
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if embed is None or not hasattr(embed, "weight"):
-            embed = model.model.embed_tokens
-        model_config = getattr(self.vllm_config, "model_config", None)
-        self.drafter.load(embed.weight, getattr(model_config, "dtype", None),
-                          model_config.get_total_num_hidden_layers() if model_config is not None else None)
+        self.drafter.load_from_target(model, self.vllm_config)
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         ready = self.drafter.ingest(ctx)

@@ -272,23 +272,14 @@ class EagleModelDrafter(ModelDrafter):
     def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
         from vllm_treespec.proposers.eagle_tree import EagleDrafter
 
-        self.drafter = EagleDrafter(checkpoint, depth=depth, top_k=top_k, dtype="bfloat16")
-        if not self.drafter.aux_layers:
-            model_config = getattr(vllm_config, "model_config", None)
-            if model_config is None:
-                raise ValueError(f"{checkpoint}: config.json names no eagle_aux_hidden_state_layer_ids")
-            layers = model_config.get_total_num_hidden_layers()
-            self.drafter.aux_layers = (2, layers // 2, layers - 3)
-        self.aux_hidden_state_layers = tuple(self.drafter.aux_layers)
+        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="bfloat16")
+        self.aux_hidden_state_layers = self.drafter.aux_layers
         self.vllm_config = vllm_config
         self._ready: set[int] = set()
         self._levels: dict[int, list[DraftLevel]] = {}
 
     def load_model(self, model: Any) -> None:
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.model.embed_tokens
-        model_config = getattr(self.vllm_config, "model_config", None)
-        self.drafter.load(embed.weight, getattr(model_config, "dtype", None),
-                          model_config.get_total_num_hidden_layers() if model_config is not None else None)
+        self.drafter.load_from_target(model, self.vllm_config)
 
     def ingest(self, ctx: ProposeContext) -> None:
         self._ready = set(self.drafter.ingest(ctx))

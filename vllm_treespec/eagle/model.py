@@ -28,6 +28,11 @@ import torch.nn.functional as F
 CHECKPOINT_WEIGHTS = "model.safetensors"
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE-3 aux layers for a target with ``num_layers`` layers (low, middle, high)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 @dataclass
 class HeadConfig:
     hidden_size: int
@@ -62,7 +67,7 @@ class HeadConfig:
                    vocab_size=target_config.vocab_size, draft_vocab_size=draft_vocab_size,
                    rms_norm_eps=target_config.rms_norm_eps, rope_theta=float(rope),
                    max_position_embeddings=target_config.max_position_embeddings,
-                   aux_layers=tuple(aux_layers or (2, layers // 2, layers - 3)))
+                   aux_layers=tuple(aux_layers or default_aux_layers(layers)))
 
     def to_hf(self) -> dict:
         """config.json for vLLM's eagle3 method (architecture LlamaForCausalLMEagle3)."""

@@ -408,7 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoConfig
 
     layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    aux_layers = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else (2, layers // 2, layers - 3)
+    from vllm_treespec.eagle.model import default_aux_layers
+
+    aux_layers = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else default_aux_layers(layers)
     from vllm_treespec.eagle.data import extract_features, generate
 
     t0 = time.time()
