@@ -15,6 +15,10 @@ own per-request KV cache:
 
 Draft KV beyond the committed length is scratch: the next ingest overwrites it. Verification is exact whatever
 the head drafts, so a weak or mismatched head costs speed, never correctness.
+
+A KV-aware head (:mod:`vllm_treespec.eagle.kv_head`, method ``kv_aware``) also cross-attends to the target's own
+K/V of a few layers; the drafter copies each request's newly committed positions out of the paged cache
+(``ctx.kv_cache``) every step, so every draft row sees all committed positions.
 """
 
 from __future__ import annotations
@@ -43,17 +47,25 @@ def default_head_path() -> Path:
     return default_cache_dir() / DEFAULT_HEAD_NAME
 
 
-def resolve_checkpoint(value: str | None, what: str) -> str:
-    """``value`` or, for None / "auto", the default trained head; a clear error when there is none."""
+def default_kv_head_path(mode: str) -> Path:
+    """Where ``vllm-treespec train-eagle --mode MODE`` writes the KV-aware head for the embedded model by default
+    (mode "hidden" is the EAGLE-3 head)."""
+    from vllm_treespec.models import default_cache_dir
+
+    return default_head_path() if mode == "hidden" else default_cache_dir() / f"kv-aware-smollm2-135m-{mode}"
+
+
+def resolve_checkpoint(value: str | None, what: str, mode: str = "hidden") -> str:
+    """``value`` or, for None / "auto", the default trained head of ``mode``; a clear error when there is none."""
     if value in (None, "auto"):
-        path = default_head_path()
+        path = default_kv_head_path(mode)
         if not (path / "config.json").is_file():
-            raise ValueError(f"{what}: no EAGLE-3 checkpoint given and no trained default head at {path}; "
-                             "train one with `vllm-treespec train-eagle -o " + str(path) + "` or pass a checkpoint "
-                             "folder")
+            flag = "" if mode == "hidden" else f" --mode {mode}"
+            raise ValueError(f"{what}: no checkpoint given and no trained default head at {path}; train one with "
+                             f"`vllm-treespec train-eagle{flag} -o {path}` or pass a checkpoint folder")
         return str(path)
     if not (Path(value) / "config.json").is_file():
-        raise ValueError(f"{what}: {value!r} is not an EAGLE-3 checkpoint folder (no config.json)")
+        raise ValueError(f"{what}: {value!r} is not a draft-head checkpoint folder (no config.json)")
     return value
 
 
@@ -89,6 +101,9 @@ class _RequestState:
     last_r2: Any = None  # its prenorm hidden: the depth-1 nodes' input hidden
     last_position: int = -1
     tick: int = 0
+    target_k: Any = None  # KV-aware heads: [L, cap, Hk, D] target K of the committed positions
+    target_v: Any = None
+    target_len: int = 0  # positions 0 .. target_len-1 copied from the target's cache
 
 
 @dataclass
@@ -114,7 +129,13 @@ class EagleDrafter:
 
         from vllm_treespec.eagle.model import default_aux_layers
 
+        from vllm_treespec.eagle.kv_head import is_kv_aware_config
+
         cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+        #: the head cross-attends to the target's KV cache (the proposer must set ``needs_kv_cache``)
+        self.reads_target_kv = is_kv_aware_config(cfg)
+        self.kv_layers: tuple[int, ...] = tuple((cfg.get("kv_aware") or {}).get("kv_layers") or ())
+        self._view_layers: list[int] | None = None
         eagle = cfg.get("eagle_config") or {}
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
         if not aux:  # as vLLM: the target's default EAGLE-3 layers
@@ -148,13 +169,13 @@ class EagleDrafter:
     def load(self, embed, target_dtype=None) -> None:
         import torch
 
-        from vllm_treespec.eagle.model import Eagle3Head
+        from vllm_treespec.eagle.model import load_draft_head
 
         if self.dtype_name == "auto":
             dtype = target_dtype or torch.float32
         else:
             dtype = getattr(torch, self.dtype_name)
-        self.head = Eagle3Head.load(self.checkpoint, embed=embed.detach().to("cpu", torch.float32), dtype=dtype,
+        self.head = load_draft_head(self.checkpoint, embed=embed.detach().to("cpu", torch.float32), dtype=dtype,
                                     default_aux_layers=self.aux_layers)
         self.head.eval().requires_grad_(False)
         cfg = self.head.cfg
@@ -186,6 +207,52 @@ class EagleDrafter:
         self._tick += 1
         st.tick = self._tick
         return st
+
+    # --- the target's K/V (KV-aware heads) ---------------------------------------------------------------------
+    def _sync_target_kv(self, ctx: ProposeContext, i: int, st: _RequestState, end: int) -> None:
+        """Copy positions [target_len, end) of request row ``i`` out of the target's paged cache."""
+        import torch
+
+        view = ctx.kv_cache
+        if view is None:
+            raise RuntimeError("a KV-aware head needs the target's KV cache: set needs_kv_cache on the proposer")
+        if self._view_layers is None:
+            self._view_layers = [_view_layer_index(view.layer_names, layer) for layer in self.kv_layers]
+        end = min(end, int(view.num_computed[i]))
+        if st.target_len > end:  # e.g. a preempted request recomputed: its committed prefix is unchanged
+            st.target_len = end
+        if end <= st.target_len:
+            return
+        chunks = [view.read(layer, i, st.target_len, end) for layer in self._view_layers]
+        if st.target_k is None or st.target_k.shape[1] < end:
+            cap = max(256, 1 << (end - 1).bit_length())
+            k = torch.zeros(len(chunks), cap, *chunks[0][0].shape[1:], dtype=self.dtype)
+            v = torch.zeros_like(k)
+            if st.target_k is not None:
+                k[:, : st.target_len] = st.target_k[:, : st.target_len]
+                v[:, : st.target_len] = st.target_v[:, : st.target_len]
+            st.target_k, st.target_v = k, v
+        for j, (k, v) in enumerate(chunks):
+            st.target_k[j, st.target_len: end] = k.to(self.dtype)
+            st.target_v[j, st.target_len: end] = v.to(self.dtype)
+        st.target_len = end
+
+    def _outputs(self, attn, hidden, groups):
+        """The head's outputs for attention rows grouped per request: ``groups`` = [(state, rows, position)]."""
+        import torch
+
+        if not self.reads_target_kv:
+            return self.head.layer_outputs(attn, hidden)
+        normed, r = [], []
+        offset = 0
+        for st, n, position in groups:
+            kv = (st.target_k[None, :, : st.target_len], st.target_v[None, :, : st.target_len])
+            pos = torch.full((n,), position, dtype=torch.long)
+            a, b = self.head.step_outputs(attn[offset: offset + n], hidden[offset: offset + n], pos, kv)
+            normed.append(a)
+            r.append(b)
+            offset += n
+        return torch.cat(normed), torch.cat(r)
 
     def release(self, req_ids) -> None:
         for r in req_ids:
@@ -234,10 +301,14 @@ class EagleDrafter:
             q, k, v = head.layer_inputs(tok, hidden, pos)
             outs, last_hidden = [], []
             offset = 0
+            groups = []
             for i, (a, b), p in zip(rows, spans, positions):
                 n = b - a
                 p0 = int(p[0])
                 st = self._state(ctx.req_ids[i], p0 + n + self.depth * self.top_k + 1)
+                if self.reads_target_kv:  # the root row (position p0+n-1) sees the target's K/V up to itself
+                    self._sync_target_kv(ctx, i, st, p0 + n)
+                groups.append((st, 1, p0 + n - 1))
                 if p0 > st.length:  # rows we never saw (e.g. a prefix-cache hit): keep them masked out
                     st.written[st.length: p0] = False
                 st.k[:, p0: p0 + n] = k[offset: offset + n].transpose(0, 1)
@@ -249,7 +320,7 @@ class EagleDrafter:
                 outs.append(self._attend(q[offset + n - 1: offset + n], st, st.length, mask))
                 last_hidden.append(hidden[offset + n - 1: offset + n])
                 offset += n
-            normed, r2 = head.layer_outputs(torch.cat(outs), torch.cat(last_hidden))
+            normed, r2 = self._outputs(torch.cat(outs), torch.cat(last_hidden), groups)
             for j, i in enumerate(rows):
                 st = self.states[ctx.req_ids[i]]
                 st.last_normed, st.last_r2 = normed[j], r2[j]
@@ -292,9 +363,10 @@ class EagleDrafter:
                 hidden = torch.cat(hid)
                 q, kk, vv = head.layer_inputs(torch.from_numpy(self._target_ids(np.concatenate(toks))),
                                               hidden, torch.from_numpy(np.concatenate(pos)))
-                outs, offset = [], 0
+                outs, offset, groups = [], 0, []
                 for i in active:
                     g, st = grows[i], grows[i].state
+                    groups.append((st, len(g.frontier), st.last_position + depth))
                     f = len(g.frontier)
                     base = st.length + len(g.slot)
                     for j, node in enumerate(g.frontier):
@@ -311,7 +383,7 @@ class EagleDrafter:
                             a = g.parents[a]
                     outs.append(self._attend(q[offset: offset + f], st, total, mask))
                     offset += f
-                normed, r2 = head.layer_outputs(torch.cat(outs), hidden)
+                normed, r2 = self._outputs(torch.cat(outs), hidden, groups)
                 logp = torch.log_softmax(head.logits(normed).float(), dim=-1)
                 top_lp, top_id = logp.topk(min(k, logp.shape[-1]), dim=-1)
                 top_lp, top_id = top_lp.numpy().astype(np.float64), top_id.numpy()
@@ -357,17 +429,33 @@ class EagleDrafter:
         return DraftTree(tokens, out_parents, np.exp(np.asarray(g.logps)[chosen]).astype(np.float32))
 
 
+def _view_layer_index(layer_names: Sequence[str], layer: int) -> int:
+    """Index in the KV view of the target's decoder layer ``layer`` (names like ``model.layers.15.self_attn.attn``)."""
+    for j, name in enumerate(layer_names):
+        if f"layers.{layer}." in name:
+            return j
+    if layer < len(layer_names):
+        return layer
+    raise ValueError(f"KV-aware head: the target has no attention layer {layer} (layers: {len(layer_names)})")
+
+
 class EagleTreeProposer(TreeProposer):
+    """EAGLE-2 dynamic trees from an EAGLE-3 head (or a KV-aware head given as ``checkpoint``)."""
+
     options_type = EagleTreeOptions
     needs_hidden_states = True
 
     def __init__(self, vllm_config: Any = None, options: EagleTreeOptions | None = None) -> None:
         super().__init__(vllm_config, options)
         opts: EagleTreeOptions = self.options
-        checkpoint = resolve_checkpoint(opts.checkpoint, "eagle_tree option 'checkpoint'")
-        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=opts.depth, top_k=opts.top_k,
-                                               dtype=opts.dtype, max_cached_requests=opts.max_cached_requests)
+        self.drafter = EagleDrafter.for_target(self._checkpoint(opts), vllm_config, depth=opts.depth,
+                                               top_k=opts.top_k, dtype=opts.dtype,
+                                               max_cached_requests=opts.max_cached_requests)
         self.aux_hidden_state_layers = self.drafter.aux_layers
+        self.needs_kv_cache = self.drafter.reads_target_kv
+
+    def _checkpoint(self, opts: EagleTreeOptions) -> str:
+        return resolve_checkpoint(opts.checkpoint, "eagle_tree option 'checkpoint'")
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)

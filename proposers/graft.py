@@ -4,8 +4,8 @@ budget that shrinks as the batch grows (ECHO, arXiv 2604.09603).
 Reads each request's committed tokens (``ctx.committed(i)``) and, after every verify step, the target's logits at all
 verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only). Per request and step:
 
-1. **Draft.** A model drafter (:class:`ModelDrafter`; the EAGLE-3 head of ``eagle_checkpoint``, drafting EAGLE-2
-   dynamic trees as ``eagle_tree`` does) grows a scored tree level by level. Without a head (``eagle_checkpoint``
+1. **Draft.** A model drafter (:class:`ModelDrafter`; the EAGLE-3 or KV-aware head of ``eagle_checkpoint``, drafting
+   EAGLE-2 dynamic trees as ``eagle_tree`` / ``kv_aware`` do) grows a scored tree level by level. Without a head (``eagle_checkpoint``
    "auto" and no trained default head, or "none") the draft is the retrieval tree of the source that is most
    confident at the first checkpoint (ties: the order of ``sources``), read level by level, and the log says so once.
 2. **Prune.** After the draft reaches each checkpoint depth d, the best path confidence ``exp(max cumulative
@@ -82,8 +82,9 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     datastore: str | None = None
     ngram_min_n: int = 2
     ngram_max_n: int = 4
-    #: EAGLE-3 head folder; "auto" = the head `vllm-treespec train-eagle` wrote to the cache, if there is one;
-    #: "none" (default) = retrieval-only trees, which measured faster here than grafting onto the small SmolLM2 head
+    #: model drafter head folder (an EAGLE-3 head or a KV-aware head); "auto" = the EAGLE-3 head
+    #: `vllm-treespec train-eagle` wrote to the cache, "kv_aware" = the hybrid KV-aware head it wrote with
+    #: `--mode hybrid`, if there is one; "none" (default) = retrieval-only trees, which measured faster here than grafting onto the small SmolLM2 head
     #: on CPU (scripts/bench_graft.py: tau 2.44 / 1.46x vs 2.05 / 0.83x at budget 16)
     eagle_checkpoint: str = "none"
     #: the EAGLE drafter's levels below the root and children per expanded node (see eagle_tree)
@@ -131,9 +132,9 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"({len(self.thresholds)}) must have the same length")
         for name in ("datastore", "eagle_checkpoint"):
             path = getattr(self, name)
-            if path is not None and path not in ("auto", "none") and not os.path.exists(path):
+            if path is not None and path not in ("auto", "none", "kv_aware") and not os.path.exists(path):
                 raise ValueError(f"graft option {name!r}: no such file or directory {path!r}")
-        if self.eagle_checkpoint not in ("auto", "none"):
+        if self.eagle_checkpoint not in ("auto", "none", "kv_aware"):
             from vllm_treespec.proposers.eagle_tree import resolve_checkpoint
 
             resolve_checkpoint(self.eagle_checkpoint, "graft option 'eagle_checkpoint'")
@@ -237,6 +238,8 @@ class ModelDrafter(abc.ABC):
     #: the target hidden states the drafter reads (TreeProposer semantics)
     needs_hidden_states: bool = False
     aux_hidden_state_layers: tuple[int, ...] = ()
+    #: the drafter reads the target's KV cache (``ctx.kv_cache``)
+    needs_kv_cache: bool = False
 
     def load_model(self, model: Any) -> None:
         """Called with the target model once it is loaded."""
@@ -274,6 +277,7 @@ class EagleModelDrafter(ModelDrafter):
 
         self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="bfloat16")
         self.aux_hidden_state_layers = self.drafter.aux_layers
+        self.needs_kv_cache = self.drafter.reads_target_kv
         self.vllm_config = vllm_config
         self._ready: set[int] = set()
         self._levels: dict[int, list[DraftLevel]] = {}
@@ -301,16 +305,17 @@ class EagleModelDrafter(ModelDrafter):
 
 def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
                        top_k: int = 8) -> ModelDrafter | None:
-    """The model drafter for ``eagle_checkpoint`` ("auto": the trained default head if there is one); None for
-    retrieval-only trees."""
+    """The model drafter for ``eagle_checkpoint`` ("auto" / "kv_aware": the trained default EAGLE-3 / hybrid
+    KV-aware head if there is one); None for retrieval-only trees."""
     if checkpoint in (None, "none"):
         return None
-    from vllm_treespec.proposers.eagle_tree import default_head_path
+    from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
-    if checkpoint == "auto":
-        if not (default_head_path() / "config.json").is_file():
+    if checkpoint in ("auto", "kv_aware"):
+        path = default_kv_head_path("hidden" if checkpoint == "auto" else "hybrid")
+        if not (path / "config.json").is_file():
             return None
-        checkpoint = str(default_head_path())
+        checkpoint = str(path)
     return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)
 
 
@@ -596,6 +601,7 @@ class GraftProposer(TreeProposer):
         else:
             self.needs_hidden_states = self.drafter.needs_hidden_states
             self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
+            self.needs_kv_cache = self.drafter.needs_kv_cache
         self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
         self.stats = GraftStats()
 

@@ -60,6 +60,11 @@ BAD_CONFIGS = [
     ("eagle-depth-zero", {"method": "eagle_tree", "checkpoint": "/nonexistent/head", "depth": 0}, ["depth", ">= 1"]),
     ("eagle-top-k-type", {"method": "eagle_tree", "top_k": "8"}, ["top_k", "Expected `int`"]),
     ("eagle-dtype", {"method": "eagle_tree", "dtype": "int8"}, ["dtype"]),
+    ("kv-aware-checkpoint-missing", {"method": "kv_aware", "checkpoint": "/nonexistent/head"},
+     ["checkpoint", "no such file"]),
+    ("kv-aware-checkpoint-not-a-head", {"method": "kv_aware", "checkpoint": "/"}, ["checkpoint", "config.json"]),
+    ("kv-aware-mode", {"method": "kv_aware", "mode": "cross"}, ["mode"]),
+    ("kv-aware-top-k-zero", {"method": "kv_aware", "checkpoint": "/nonexistent/head", "top_k": 0}, ["top_k", ">= 1"]),
     ("graft-eagle-checkpoint-not-a-head", {"method": "graft", "eagle_checkpoint": "/"},
      ["eagle_checkpoint", "config.json"]),
 ]

@@ -181,6 +181,8 @@ def test_hidden_states_are_chainized_and_kv_view_reads(base, model, prompts, tmp
     assert counters["num_accepted_tokens"] > 0
     assert probe["checked"] > 20 and probe["mismatched"] == 0, probe
     assert probe["kv_reads"] == probe["checked"], probe
+    # what the KV-aware head reads at inference is what its trainer recomputes from the aux hidden states
+    assert probe["kv_compared"] > 100 and probe["kv_max_rel_err"] < 1e-4, probe
 
 
 def _eagle_head(model: str, out) -> tuple[str, bool]:
@@ -206,6 +208,63 @@ def _eagle_head(model: str, out) -> tuple[str, bool]:
         head.lm_head.weight.copy_(embed[ids])
         head.norm.weight.copy_(norm)
     return str(head.save(out)), False
+
+
+def _kv_head(model: str, out, mode: str = "hybrid") -> tuple[str, bool]:
+    """The trained default KV-aware head of ``mode`` when this machine has one, else a random one (as _eagle_head)."""
+    from vllm_treespec.proposers.eagle_tree import default_kv_head_path
+
+    if (default_kv_head_path(mode) / "config.json").is_file():
+        return str(default_kv_head_path(mode)), True
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig
+    from vllm_treespec.eagle.model import HeadConfig
+    from vllm_treespec.eagle.train import _target_tensors
+
+    embed, norm = _target_tensors(model)
+    cfg = KVHeadConfig.from_eagle(HeadConfig.from_target(AutoConfig.from_pretrained(model), draft_vocab_size=2048),
+                                  mode)
+    torch.manual_seed(0)
+    head = KVAwareHead(cfg, embed=embed)
+    ids = torch.arange(2048) * 3
+    head.set_draft_vocab(ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(embed[ids])
+        head.norm.weight.copy_(norm)
+    return str(head.save(out)), False
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "kv"])
+def test_kv_aware_greedy_identical(base, model, prompts, tmp_path, mode):
+    """KV-aware trees (the head reads the target's paged KV cache every step), batch and chain fallbacks mixed in."""
+    head, trained = _kv_head(model, tmp_path / "head", mode)
+    llm = make_llm(model, {"method": "kv_aware", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
+                           "top_k": 6})
+    try:
+        got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 20 * counters["num_drafts"]
+    if trained and mode == "hybrid":
+        assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5, counters
+
+
+def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_path):
+    """graft with the KV-aware head as its model drafter: pruned draft trees plus grafted retrieval, exact."""
+    head, _trained = _kv_head(model, tmp_path / "head", "hybrid")
+    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
+                           "eagle_depth": 5, "eagle_top_k": 4})
+    try:
+        got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
 
 
 def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):

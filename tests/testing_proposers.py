@@ -90,11 +90,18 @@ class HiddenStateProbeProposer(TreeProposer):
     options_type = ProbeOptions
     needs_hidden_states = True
     needs_kv_cache = True
+    #: the KV-aware head's layers: their cached K/V must equal what its trainer recomputes from these aux states
+    aux_hidden_state_layers = (2, 15, 27)
 
     def load_model(self, model) -> None:
+        from vllm_treespec.eagle.kv_head import TargetKVProjector
+
         super().load_model(model)
         self.model = model
-        self.checked = self.mismatched = self.kv_reads = 0
+        self.checked = self.mismatched = self.kv_reads = self.kv_compared = 0
+        self.kv_max_rel_err = 0.0
+        layers = self.aux_hidden_state_layers
+        self.projector = TargetKVProjector(self.vllm_config.model_config.model, layers, layers)
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         import torch
@@ -120,8 +127,26 @@ class HiddenStateProbeProposer(TreeProposer):
             self.mismatched += int(want[-1] != ctx.sampled_token_ids[i][-1])
             k, v = ctx.kv_cache.read(0, i)
             self.kv_reads += len(rows) * int(k.shape[0] == int(ctx.num_tokens[i]) - 1 and torch.isfinite(k).all().item())
+            self._compare_target_kv(ctx, i, first, last, p0)
             chains = lookup_branches(ctx.committed(i), 4, 6)
             trees.append(DraftTree.from_branches(chains) if chains else None)
         with open(self.options.report_path, "w") as f:
-            json.dump({"checked": self.checked, "mismatched": self.mismatched, "kv_reads": self.kv_reads}, f)
+            json.dump({"checked": self.checked, "mismatched": self.mismatched, "kv_reads": self.kv_reads,
+                       "kv_compared": self.kv_compared, "kv_max_rel_err": self.kv_max_rel_err}, f)
         return trees
+
+    def _compare_target_kv(self, ctx: ProposeContext, i: int, first: int, last: int, p0: int) -> None:
+        """K/V the cache holds for this step's committed rows vs. the KV-aware trainer's recomputation."""
+        import torch
+
+        from vllm_treespec.proposers.eagle_tree import _view_layer_index
+
+        aux = torch.stack([a[first: last + 1] for a in ctx.aux_hidden_states], dim=1)[None].float()
+        positions = torch.arange(p0, p0 + last - first + 1)
+        k_ref, v_ref = self.projector(aux, positions)
+        for j, layer in enumerate(self.aux_hidden_state_layers):
+            k, v = ctx.kv_cache.read(_view_layer_index(ctx.kv_cache.layer_names, layer), i, p0, p0 + last - first + 1)
+            for got, ref in ((k, k_ref[0, j]), (v, v_ref[0, j])):
+                err = float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
+                self.kv_max_rel_err = max(self.kv_max_rel_err, err)
+        self.kv_compared += last - first + 1

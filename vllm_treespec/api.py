@@ -335,6 +335,7 @@ BUILTIN_PROPOSERS = {
     "suffix_tree": "vllm_treespec.proposers.suffix_tree.SuffixTreeProposer",
     "graft": "vllm_treespec.proposers.graft.GraftProposer",
     "eagle_tree": "vllm_treespec.proposers.eagle_tree.EagleTreeProposer",
+    "kv_aware": "vllm_treespec.proposers.kv_aware.KVAwareProposer",
 }
 for _name, _path in BUILTIN_PROPOSERS.items():
     register_proposer(_name, _path)

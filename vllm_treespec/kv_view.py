@@ -38,13 +38,25 @@ class TargetKVView:
         return layout.read_slots(self._caches[layer], slots)
 
 
-def build_view(runner: Any, layers: list[Any], num_reqs: int) -> TargetKVView:
-    block_table = runner.input_batch.block_table[0]
+def build_view(runner: Any, layers: list[Any], num_reqs: int, sampled_token_ids: list[list[int]] | None = None,
+               query_start_loc: Any = None) -> TargetKVView:
+    batch = runner.input_batch
+    block_table = batch.block_table[0]
+    # After bookkeeping every committed token but the newest (the bonus, not yet run) has K/V in the cache.
+    num_computed = np.maximum(batch.num_tokens_no_spec[:num_reqs] - 1, 0).astype(np.int64)
+    if sampled_token_ids is not None:
+        # A prefill chunk that is not the last samples nothing: its K/V reach only as far as this step computed.
+        before = batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        if query_start_loc is not None:
+            this_step = np.diff(np.asarray(query_start_loc[: num_reqs + 1], np.int64))
+        else:
+            this_step = np.zeros(num_reqs, np.int64)
+        partial = np.array([len(s) == 0 for s in sampled_token_ids[:num_reqs]])
+        num_computed = np.where(partial, np.minimum(before + this_step, num_computed), num_computed)
     return TargetKVView(
         layer_names=[layer.layer_name for layer in layers],
         _caches=[layer.kv_cache for layer in layers],
         block_table=block_table.block_table.np[:num_reqs],
         block_size=block_table.block_size,
-        # After bookkeeping every committed token but the newest (the bonus, not yet run) has K/V in the cache.
-        num_computed=np.maximum(runner.input_batch.num_tokens_no_spec[:num_reqs] - 1, 0),
+        num_computed=num_computed,
     )

@@ -159,7 +159,8 @@ class TreeVerifier:
         if proposer.needs_kv_cache and self.enabled:
             from vllm_treespec.kv_view import build_view
 
-            ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs)
+            ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs, sampled_token_ids,
+                                      query_start_loc)
         trees = self.proposer.propose_trees(ctx)
         if len(trees) != num_reqs:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "

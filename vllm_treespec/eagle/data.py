@@ -51,6 +51,14 @@ def training_prompts(num: int, max_prompt_chars: int = 2000) -> list[dict]:
 def generate(model_dir: str, out_path: Path, num_prompts: int, max_tokens: int, batch: int = 64) -> Path:
     """Greedy answers of the target to ``num_prompts`` training prompts, as JSON lines
     ``{question_id, prompt_ids, output_ids}``. Resumable: finished question ids are skipped."""
+    questions = [(q["question_id"], q["turns"][0]) for q in training_prompts(num_prompts)]
+    return generate_answers(model_dir, questions, out_path, max_tokens, batch=batch)
+
+
+def generate_answers(model_dir: str, questions: list[tuple[str, str]], out_path: Path, max_tokens: int,
+                     batch: int = 64, max_model_len: int = 2048) -> Path:
+    """Greedy answers (vLLM, bf16) to ``(question_id, user text)`` pairs, appended as JSON lines
+    ``{question_id, prompt_ids, output_ids}``; question ids already in ``out_path`` are skipped."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -62,22 +70,25 @@ def generate(model_dir: str, out_path: Path, num_prompts: int, max_tokens: int, 
     if out_path.exists():
         with open(out_path) as f:
             done = {json.loads(line)["question_id"] for line in f if line.strip()}
-    todo = [q for q in training_prompts(num_prompts) if q["question_id"] not in done]
+    todo = [q for q in questions if q[0] not in done]
     if not todo:
         return out_path
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=batch, seed=0)
+    llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=batch, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    with open(out_path, "a") as f, tqdm(total=len(todo), desc="generate", unit="prompt") as bar:
-        for start in range(0, len(todo), batch * 2):
-            chunk = todo[start: start + batch * 2]
-            prompts = [chat_prompt(tokenizer, q["turns"][0]) for q in chunk]
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            for q, o in zip(chunk, outputs):
-                f.write(json.dumps({"question_id": q["question_id"], "prompt_ids": list(o.prompt_token_ids),
-                                    "output_ids": list(o.outputs[0].token_ids)}) + "\n")
-            f.flush()
-            bar.update(len(chunk))
+    try:
+        with open(out_path, "a") as f, tqdm(total=len(todo), desc="generate", unit="prompt") as bar:
+            for start in range(0, len(todo), batch * 2):
+                chunk = todo[start: start + batch * 2]
+                prompts = [chat_prompt(tokenizer, text) for _qid, text in chunk]
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                for (qid, _text), o in zip(chunk, outputs):
+                    f.write(json.dumps({"question_id": qid, "prompt_ids": list(o.prompt_token_ids),
+                                        "output_ids": list(o.outputs[0].token_ids)}) + "\n")
+                f.flush()
+                bar.update(len(chunk))
+    finally:
+        del llm
     return out_path
 
 

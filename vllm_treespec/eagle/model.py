@@ -89,6 +89,11 @@ class HeadConfig:
         if "Eagle3" not in arch and "eagle3" not in arch.lower():
             raise ValueError(f"not an EAGLE-3 head: architectures={cfg.get('architectures')} (expected "
                              "LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM)")
+        return cls(**cls.fields_from_hf(cfg))
+
+    @staticmethod
+    def fields_from_hf(cfg: dict) -> dict:
+        """The HeadConfig fields of an EAGLE-3-style config.json (the architecture is checked by the caller)."""
         if int(cfg.get("num_hidden_layers", 1)) != 1:
             raise ValueError(f"EAGLE-3 heads with {cfg['num_hidden_layers']} layers are not supported (expected 1)")
         eagle = cfg.get("eagle_config") or {}
@@ -98,7 +103,7 @@ class HeadConfig:
                 raise ValueError(f"EAGLE-3 variant with {flag}=true is not supported by eagle_tree")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(hidden_size=cfg["hidden_size"], num_attention_heads=heads,
+        return dict(hidden_size=cfg["hidden_size"], num_attention_heads=heads,
                    num_key_value_heads=cfg.get("num_key_value_heads", heads),
                    head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                    intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
@@ -203,6 +208,13 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self) -> torch.Tensor:
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
+    #: whether the head cross-attends to the target's KV cache (:class:`vllm_treespec.eagle.kv_head.KVAwareHead`)
+    reads_target_kv = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
     # --- one step over a sequence (used by the trainer's unrolled steps and the proposer) ----------------------
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """[..., n_aux * H] or [..., n_aux, H] target hidden states → the head's input hidden [..., H]."""
@@ -228,6 +240,13 @@ class Eagle3Head(nn.Module):
         r2 = layer.mlp_forward(layer.post_attention_layernorm(r1)) + r1
         return self.norm(r2), r2
 
+    def step_outputs(self, attn: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+                     target_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     kv_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`layer_outputs`; heads that read the target's KV add their correction here (the extra
+        arguments are theirs)."""
+        return self.layer_outputs(attn, hidden)
+
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits."""
         return self.lm_head(normed)
@@ -246,6 +265,8 @@ class Eagle3Head(nn.Module):
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return out
 
+    config_type = HeadConfig
+
     @classmethod
     def load(cls, path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
              default_aux_layers: tuple[int, ...] | None = None) -> "Eagle3Head":
@@ -256,7 +277,7 @@ class Eagle3Head(nn.Module):
         cfg_path = folder / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{folder}: no config.json (expected an EAGLE-3 checkpoint folder)")
-        cfg = HeadConfig.from_hf(json.loads(cfg_path.read_text()))
+        cfg = cls.config_type.from_hf(json.loads(cfg_path.read_text()))
         if not cfg.aux_layers:
             if default_aux_layers is None:
                 raise ValueError(f"{folder}: config.json names no eagle_aux_hidden_state_layer_ids")
@@ -282,7 +303,7 @@ class Eagle3Head(nn.Module):
         missing, unexpected = head.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.startswith("embed.")]
         if missing or unexpected:
-            raise ValueError(f"{folder}: checkpoint does not match an EAGLE-3 llama head "
+            raise ValueError(f"{folder}: checkpoint does not match a {cls.__name__} "
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
         if head_embed is None and embed is None:
             raise ValueError(f"{folder}: the head has no embed_tokens; pass the target's embedding")
@@ -298,3 +319,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         vt = vt.repeat_interleave(groups, dim=-3)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
     return out.transpose(-3, -2)
+
+
+def param_count(head: nn.Module) -> int:
+    """Trainable-size parameters of a head, without the shared (frozen) target embedding."""
+    return sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed."))
+
+
+def load_draft_head(path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                    default_aux_layers: tuple[int, ...] | None = None) -> Eagle3Head:
+    """An EAGLE-3 head or a KV-aware head, whichever the folder's config.json names."""
+    from vllm_treespec.eagle.kv_head import KVAwareHead, is_kv_aware_config
+
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    cls = Eagle3Head
+    if cfg_path.is_file() and is_kv_aware_config(json.loads(cfg_path.read_text())):
+        cls = KVAwareHead
+    return cls.load(folder, embed=embed, dtype=dtype, default_aux_layers=default_aux_layers)

