@@ -4,6 +4,7 @@
 # included. Per-depth alpha (depth 1..8, MT-Bench and >=2k-token prompts): python scripts/eval_kv_alpha.py
 #   bash scripts/bench_kv_aware.sh                 # fp32 (exactness), 2 questions per category, budget 16
 #   BUDGET=32 LIMIT=1 bash scripts/bench_kv_aware.sh
+#   CHAINS=0 ...   skip the depth-5 chain rows (vLLM eagle3 k=5, eagle_tree top_k=1, kv_aware hybrid top_k=1)
 # Needs the trained heads: vllm-treespec train-eagle -o <cache>/eagle3-smollm2-135m and, with --mode kv / --mode
 # hybrid, -o <cache>/kv-aware-smollm2-135m-{kv,hybrid} (the paths the proposers look in by default).
 set -euo pipefail
@@ -25,6 +26,11 @@ METHODS="none"
 METHODS+=";eagle_tree=eagle_tree:{$(opts "$EAGLE")}"
 METHODS+=";kv_aware_hybrid=kv_aware:{$(opts "$HYBRID")}"
 METHODS+=";kv_aware_kv=kv_aware:{$(opts "$KV")}"
+if [ "${CHAINS:-1}" = 1 ]; then  # the same head as a depth-5 chain: ours (top_k=1) vs vLLM's own eagle3
+  METHODS+=";eagle3_k5=eagle3:{\"model\":\"$EAGLE\",\"num_speculative_tokens\":5}"
+  METHODS+=";eagle_chain5=eagle_tree:{\"checkpoint\":\"$EAGLE\",\"num_speculative_tokens\":5,\"depth\":5,\"top_k\":1}"
+  METHODS+=";kv_hybrid_chain5=kv_aware:{\"checkpoint\":\"$HYBRID\",\"num_speculative_tokens\":5,\"depth\":5,\"top_k\":1}"
+fi
 METHODS+=";graft_eagle=graft:{\"eagle_checkpoint\":\"$EAGLE\",\"num_speculative_tokens\":$N}"
 METHODS+=";graft_hybrid=graft:{\"eagle_checkpoint\":\"$HYBRID\",\"num_speculative_tokens\":$N}"
 exec .venv/bin/vllm-treespec bench --prompts mt_bench,humaneval --limit "$LIMIT" --max-tokens "${MAX_TOKENS:-128}" \

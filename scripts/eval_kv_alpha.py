@@ -9,7 +9,10 @@ trainer's feature pipeline). Every head then drafts a depth-8 chain from every a
 unrolled forward (``ttt_forward``: while a chain is accepted its inputs are the committed tokens, so this is exactly
 what the proposer drafts with ``top_k=1``); KV-aware heads read the target's K/V recomputed from the aux states.
 
-    alpha_d = P(depth-d draft token == target's token | depths 1..d-1 accepted)
+    acc_d   = P(depth-d draft token == target's token), the chain's inputs being the committed tokens
+              (training-time-test accuracy: every root counts at every depth, so deep positions are well sampled
+              and the decay with depth shows directly)
+    alpha_d = P(depth-d draft token == target's token | depths 1..d-1 accepted)   (few chains reach deep)
     MAT     = 1 + sum_d prod_{j<=d} alpha_j        (expected tokens per step of a depth-8 chain)
 
 Prints one table per set, writes JSON (``--out``). Heads default to the trained heads in the cache
@@ -53,6 +56,7 @@ def chain_alpha(head, feats, depth: int, projector=None) -> dict:
     from vllm_treespec.eagle.train import ttt_forward
 
     reached = np.zeros(depth + 1)  # reached[d]: chains whose first d tokens were accepted (d=0: all roots)
+    correct = np.zeros(depth)  # correct[k]: roots whose depth-(k+1) token is right (earlier ones right or not)
     d2t = head.draft_to_target
     with torch.inference_mode():
         for c in range(len(feats)):
@@ -74,14 +78,16 @@ def chain_alpha(head, feats, depth: int, projector=None) -> dict:
                     reached[0] += int(alive.sum())
                 alive &= hit
                 reached[k + 1] += int(alive.sum())
-    return {"roots": int(reached[0]), "reached": reached.tolist()}
+                correct[k] += int((hit & roots).sum())
+    return {"roots": int(reached[0]), "reached": reached.tolist(), "correct": correct.tolist()}
 
 
-def summarize(reached: list[float]) -> dict:
+def summarize(reached: list[float], correct: list[float]) -> dict:
     r = np.asarray(reached)
     alpha = (r[1:] / np.maximum(r[:-1], 1)).round(4)
     mat = 1 + float((r[1:] / max(r[0], 1)).sum())
-    return {"alpha": alpha.tolist(), "mat": round(mat, 3)}
+    acc = (np.asarray(correct) / max(r[0], 1)).round(4)
+    return {"acc": acc.tolist(), "alpha": alpha.tolist(), "mat": round(mat, 3)}
 
 
 def main(argv=None) -> int:
@@ -145,20 +151,27 @@ def main(argv=None) -> int:
     for set_name, (questions, max_len) in sets.items():
         answers = generate_answers(model_dir, questions, work / f"{set_name}.jsonl", args.max_tokens,
                                    batch=16, max_model_len=max_len)
-        feats_dir = extract_features(model_dir, answers, work / f"features-{set_name}", tuple(aux_layers),
-                                     max_len=max_len, batch_tokens=8192)
+        # features of exactly these questions (the answers file keeps every answer ever generated)
+        wanted = {qid for qid, _ in questions}
+        subset = work / f"{set_name}-{len(questions)}.jsonl"
+        subset.write_text("".join(line for line in open(answers) if line.strip()
+                                  and json.loads(line)["question_id"] in wanted))
+        feats_dir = extract_features(model_dir, subset, work / f"features-{set_name}-{len(questions)}",
+                                     tuple(aux_layers), max_len=max_len, batch_tokens=8192)
         feats = Features(feats_dir)
         lengths = [feats.length(i) for i in range(len(feats))]
         entry = {"conversations": len(feats), "mean_tokens": round(float(np.mean(lengths)), 1), "heads": {}}
         print(f"\n{set_name}: {len(feats)} conversations, mean {entry['mean_tokens']} tokens (prompt + answer)")
-        print(f"{'head':<18} {'params':>9} " + " ".join(f"a{d + 1:<5}" for d in range(args.depth)) + "   MAT")
+        print(f"{'head':<16} {'params':>9} {'':>5} " + " ".join(f"d{d + 1:<5}" for d in range(args.depth)) + "  MAT")
         for name, (head, projector) in loaded.items():
             t0 = time.time()
             counts = chain_alpha(head, feats, args.depth, projector)
-            res = {**counts, **summarize(counts["reached"]), "eval_s": round(time.time() - t0, 1)}
+            res = {**counts, **summarize(counts["reached"], counts["correct"]), "eval_s": round(time.time() - t0, 1)}
             entry["heads"][name] = res
-            print(f"{name:<18} {param_count(head):>9} " + " ".join(f"{a:<6.3f}" for a in res["alpha"])
+            print(f"{name:<16} {param_count(head):>9} {'acc':>5} " + " ".join(f"{a:<6.3f}" for a in res["acc"]))
+            print(f"{'':<16} {'':>9} {'alpha':>5} " + " ".join(f"{a:<6.3f}" for a in res["alpha"])
                   + f" {res['mat']:.3f}")
+            print(f"{'':<16} {'':>9} {'n':>5} " + " ".join(f"{int(n):<6d}" for n in counts["reached"][:-1]))
         report["sets"][set_name] = entry
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
