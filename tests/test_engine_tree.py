@@ -254,7 +254,7 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
 
 def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_path):
     """graft with a KV-aware head as its model drafter (the KV-only mode: no hidden states reach the head), exact."""
-    head, _trained = _kv_head(model, tmp_path / "head", "kv")
+    head, trained = _kv_head(model, tmp_path / "head", "kv")
     llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
                            "eagle_depth": 5, "eagle_top_k": 4})
     try:
@@ -263,7 +263,9 @@ def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_pa
     finally:
         close(llm)
     assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
-    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > counters["num_drafts"]
+    if trained:  # a random head is confidently wrong: nothing is pruned, so nothing is grafted or accepted
+        assert counters["num_accepted_tokens"] > 0, counters
 
 
 def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
