@@ -83,12 +83,20 @@ class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_cached_requests: int = 1024
 
     def __post_init__(self) -> None:
+        method = self.method_name()
         for name in ("depth", "top_k", "max_cached_requests"):
             if getattr(self, name) < 1:
-                raise ValueError(f"eagle_tree option {name!r} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{method} option {name!r} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint not in (None, "auto") and not os.path.exists(self.checkpoint):
-            raise ValueError(f"eagle_tree option 'checkpoint': no such file or directory {self.checkpoint!r}")
-        resolve_checkpoint(self.checkpoint, "eagle_tree option 'checkpoint'")
+            raise ValueError(f"{method} option 'checkpoint': no such file or directory {self.checkpoint!r}")
+        self.resolved_checkpoint()
+
+    def method_name(self) -> str:
+        return "eagle_tree"
+
+    def resolved_checkpoint(self) -> str:
+        """The head folder these options name (None / "auto": the default trained head); a clear error if none."""
+        return resolve_checkpoint(self.checkpoint, f"{self.method_name()} option 'checkpoint'")
 
 
 @dataclass
@@ -448,14 +456,11 @@ class EagleTreeProposer(TreeProposer):
     def __init__(self, vllm_config: Any = None, options: EagleTreeOptions | None = None) -> None:
         super().__init__(vllm_config, options)
         opts: EagleTreeOptions = self.options
-        self.drafter = EagleDrafter.for_target(self._checkpoint(opts), vllm_config, depth=opts.depth,
+        self.drafter = EagleDrafter.for_target(opts.resolved_checkpoint(), vllm_config, depth=opts.depth,
                                                top_k=opts.top_k, dtype=opts.dtype,
                                                max_cached_requests=opts.max_cached_requests)
         self.aux_hidden_state_layers = self.drafter.aux_layers
         self.needs_kv_cache = self.drafter.reads_target_kv
-
-    def _checkpoint(self, opts: EagleTreeOptions) -> str:
-        return resolve_checkpoint(opts.checkpoint, "eagle_tree option 'checkpoint'")
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)

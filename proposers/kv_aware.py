@@ -10,11 +10,8 @@ default trained head when no ``checkpoint`` is given; ``mode: hidden`` is the pl
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from typing import Any, Literal
-
-import msgspec
+from typing import Literal
 
 from vllm_treespec.proposers.eagle_tree import EagleTreeOptions, EagleTreeProposer, resolve_checkpoint
 
@@ -30,27 +27,18 @@ class KVAwareOptions(EagleTreeOptions, kw_only=True):
     #: which trained head to use when ``checkpoint`` is not given; checked against the checkpoint when it is
     mode: Literal["hybrid", "kv", "hidden"] | None = None
 
-    def __post_init__(self) -> None:
-        for name in ("depth", "top_k", "max_cached_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"kv_aware option {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint not in (None, "auto"):
-            if not os.path.exists(self.checkpoint):
-                raise ValueError(f"kv_aware option 'checkpoint': no such file or directory {self.checkpoint!r}")
-            folder = resolve_checkpoint(self.checkpoint, "kv_aware option 'checkpoint'")
+    def method_name(self) -> str:
+        return "kv_aware"
+
+    def resolved_checkpoint(self) -> str:
+        folder = resolve_checkpoint(self.checkpoint, "kv_aware option 'checkpoint'", self.mode or "hybrid")
+        if self.checkpoint not in (None, "auto") and self.mode is not None:
             found = _checkpoint_mode(folder)
-            if self.mode is not None and found != self.mode:
+            if found != self.mode:
                 raise ValueError(f"kv_aware option 'mode' is {self.mode!r} but checkpoint {self.checkpoint!r} is a "
                                  f"{found!r} head; drop 'mode' or pick a matching checkpoint")
-        else:
-            resolve_checkpoint(None, "kv_aware option 'checkpoint'", self.mode or "hybrid")
+        return folder
 
 
 class KVAwareProposer(EagleTreeProposer):
     options_type = KVAwareOptions
-
-    def __init__(self, vllm_config: Any = None, options: KVAwareOptions | None = None) -> None:
-        super().__init__(vllm_config, options)
-
-    def _checkpoint(self, opts: KVAwareOptions) -> str:
-        return resolve_checkpoint(opts.checkpoint, "kv_aware option 'checkpoint'", opts.mode or "hybrid")

@@ -64,7 +64,7 @@ def chain_alpha(head, feats, depth: int, projector=None) -> dict:
             t = tokens.shape[1]
             target_kv = None
             if head.reads_target_kv:
-                target_kv = projector(aux.view(1, t, len(feats.aux_layers), -1))
+                target_kv = projector(aux)
             alive = None
             # roots: rows j whose first drafted token (position j+2) is an answer token and whose whole chain fits
             roots = torch.zeros(t, dtype=torch.bool)
@@ -106,7 +106,6 @@ def main(argv=None) -> int:
     from vllm_treespec.cli import cpu_memory_defaults
 
     cpu_memory_defaults()
-    import torch
     from transformers import AutoTokenizer
 
     from vllm_treespec.data import mt_bench

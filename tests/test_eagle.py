@@ -75,13 +75,13 @@ def _context(seq: np.ndarray, aux: torch.Tensor, start: int, stop: int, sampled:
                           hidden_position_start=np.array([start]))
 
 
-@pytest.mark.parametrize("chunks,norm_before_fc", [((40,), False), ((17, 30, 35, 40), True)])
-def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks, norm_before_fc):
-    """Draft a top-1 chain (top_k=1) after ingesting the context in steps; the trainer's training-time-test forward
-    over the context followed by that chain must give the same tokens and probabilities at every depth. This pins
-    positions, the shared-embedding input shift, the per-request KV and the tree mask to what training optimises."""
-    head, path = small_head(tmp_path, norm_before_fc=norm_before_fc)
-    depth = 4
+def check_chain_matches_unrolled_forward(head, path: str, chunks: tuple[int, ...], depth: int = 4,
+                                         projector=None, make_view=None) -> EagleDrafter:
+    """Ingest a random context in ``chunks``, draft a top-1 chain (top_k=1) and check that the trainer's
+    training-time-test forward over the context followed by that chain gives the same tokens and probabilities at
+    every depth. KV-aware heads: ``projector(aux)`` gives the trainer's target K/V, ``make_view(aux, n)`` the paged view
+    the drafter reads, holding ``n`` positions (one more than committed, as during a chunked prefill: the drafter must
+    not read past the committed rows)."""
     rng = np.random.default_rng(0)
     end = chunks[-1]
     seq = rng.integers(0, VOCAB, size=end + 1 + depth + 1)
@@ -91,21 +91,36 @@ def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks
     start = 0
     for stop in chunks:
         ctx = _context(seq, aux, start, stop, sampled=[int(seq[stop])])
+        if make_view is not None:
+            ctx.kv_cache = view = make_view(aux, stop + 1)
         assert drafter.ingest(ctx) == [0]
+        if make_view is not None:
+            assert max(e for _, _, e in view.reads) == stop  # positions 0..stop-1: the root row and before
         start = stop
     tree = drafter.draft(ctx, [0], budget=depth)[0]
     assert tree.parents.tolist() == [-1, 0, 1, 2]
     # the chain continues the committed text: feed it to the unrolled forward as the following tokens
     full = seq.copy()
     full[end + 1: end + 1 + depth] = tree.token_ids
+    target_kv = None if projector is None else projector(aux[None])
     with torch.no_grad():
-        steps = list(ttt_forward(head, torch.from_numpy(full[None]), aux[None].flatten(-2), depth))
+        steps = list(ttt_forward(head, torch.from_numpy(full[None]), aux[None].flatten(-2), depth, target_kv))
     d2t = head.draft_to_target.numpy()
     for k, logits in steps:
         probs = torch.softmax(logits[0, end - 1], -1)  # row end-1: the last committed row
         best = int(probs.argmax())
         assert int(d2t[best]) == int(tree.token_ids[k]), f"depth {k + 1}"
         assert float(probs[best]) == pytest.approx(float(tree.node_probs[k]), rel=1e-4, abs=1e-6)
+    return drafter
+
+
+@pytest.mark.parametrize("chunks,norm_before_fc", [((40,), False), ((17, 30, 35, 40), True)])
+def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks, norm_before_fc):
+    """Draft a top-1 chain after ingesting the context in steps; it must equal the trainer's unrolled forward. This
+    pins positions, the shared-embedding input shift, the per-request KV and the tree mask to what training
+    optimises."""
+    head, path = small_head(tmp_path, norm_before_fc=norm_before_fc)
+    check_chain_matches_unrolled_forward(head, path, chunks)
 
 
 def test_tree_is_reranked_best_first_and_closed_under_parents(tmp_path):

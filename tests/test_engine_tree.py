@@ -185,33 +185,10 @@ def test_hidden_states_are_chainized_and_kv_view_reads(base, model, prompts, tmp
     assert probe["kv_compared"] > 100 and probe["kv_max_rel_err"] < 1e-4, probe
 
 
-def _eagle_head(model: str, out) -> tuple[str, bool]:
-    """The trained default head when this machine has one (then drafts are good), else a random head of the right
-    shape (drafts are rarely accepted, but every step still ingests hidden states and drafts a dynamic tree)."""
-    from vllm_treespec.proposers.eagle_tree import default_head_path
-
-    if (default_head_path() / "config.json").is_file():
-        return str(default_head_path()), True
-    import torch
-    from transformers import AutoConfig
-
-    from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
-    from vllm_treespec.eagle.train import _target_tensors
-
-    embed, norm = _target_tensors(model)
-    cfg = HeadConfig.from_target(AutoConfig.from_pretrained(model), draft_vocab_size=2048)
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg, embed=embed)
-    ids = torch.arange(2048) * 3
-    head.set_draft_vocab(ids)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(embed[ids])
-        head.norm.weight.copy_(norm)
-    return str(head.save(out)), False
-
-
-def _kv_head(model: str, out, mode: str = "hybrid") -> tuple[str, bool]:
-    """The trained default KV-aware head of ``mode`` when this machine has one, else a random one (as _eagle_head)."""
+def _draft_head(model: str, out, mode: str = "hidden") -> tuple[str, bool]:
+    """The trained default head of ``mode`` ("hidden": EAGLE-3; "kv" / "hybrid": KV-aware) when this machine has one
+    (then drafts are good), else a random head of the right shape (drafts are rarely accepted, but every step still
+    ingests hidden states, reads the KV cache if the head does, and drafts a dynamic tree)."""
     from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
     if (default_kv_head_path(mode) / "config.json").is_file():
@@ -220,14 +197,15 @@ def _kv_head(model: str, out, mode: str = "hybrid") -> tuple[str, bool]:
     from transformers import AutoConfig
 
     from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig
-    from vllm_treespec.eagle.model import HeadConfig
+    from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
     from vllm_treespec.eagle.train import _target_tensors
 
     embed, norm = _target_tensors(model)
-    cfg = KVHeadConfig.from_eagle(HeadConfig.from_target(AutoConfig.from_pretrained(model), draft_vocab_size=2048),
-                                  mode)
+    cfg = HeadConfig.from_target(AutoConfig.from_pretrained(model), draft_vocab_size=2048)
+    if mode != "hidden":
+        cfg = KVHeadConfig.from_eagle(cfg, mode)
     torch.manual_seed(0)
-    head = KVAwareHead(cfg, embed=embed)
+    head = Eagle3Head(cfg, embed=embed) if mode == "hidden" else KVAwareHead(cfg, embed=embed)
     ids = torch.arange(2048) * 3
     head.set_draft_vocab(ids)
     with torch.no_grad():
@@ -238,7 +216,7 @@ def _kv_head(model: str, out, mode: str = "hybrid") -> tuple[str, bool]:
 
 def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
     """KV-aware trees (the hybrid head reads the target's paged KV cache every step)."""
-    head, trained = _kv_head(model, tmp_path / "head", "hybrid")
+    head, trained = _draft_head(model, tmp_path / "head", "hybrid")
     llm = make_llm(model, {"method": "kv_aware", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
                            "top_k": 6})
     try:
@@ -254,7 +232,7 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
 
 def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_path):
     """graft with a KV-aware head as its model drafter (the KV-only mode: no hidden states reach the head), exact."""
-    head, trained = _kv_head(model, tmp_path / "head", "kv")
+    head, trained = _draft_head(model, tmp_path / "head", "kv")
     llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
                            "eagle_depth": 5, "eagle_top_k": 4})
     try:
@@ -269,7 +247,7 @@ def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_pa
 
 
 def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
-    head, trained = _eagle_head(model, tmp_path / "head")
+    head, trained = _draft_head(model, tmp_path / "head")
     llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
                            "top_k": 6})
     try:

@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_eagle import HIDDEN, VOCAB, _context
+from tests.test_eagle import HIDDEN, VOCAB, check_chain_matches_unrolled_forward
 from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig, TargetKVProjector
 from vllm_treespec.eagle.model import Eagle3Head, HeadConfig, load_draft_head, param_count
-from vllm_treespec.eagle.train import ttt_forward
-from vllm_treespec.proposers.eagle_tree import EagleDrafter
 from vllm_treespec.proposers.kv_aware import KVAwareOptions
 
 AUX = (1, 3, 5)
@@ -112,35 +110,10 @@ def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, mode, 
     training-time-test forward, the drafter reading K/V from the paged view, the trainer recomputing them."""
     head, path = small_kv_head(tmp_path, mode)
     projector = FakeProjector(head.cfg.kv_layers)
-    depth = 4
-    rng = np.random.default_rng(0)
-    end = chunks[-1]
-    seq = rng.integers(0, VOCAB, size=end + 1 + depth + 1)
-    aux = torch.randn(len(seq), 3, HIDDEN)
-    drafter = EagleDrafter(path, depth=depth, top_k=1)
+    drafter = check_chain_matches_unrolled_forward(
+        head, path, chunks, projector=projector,
+        make_view=lambda aux, n: FakeKVView(projector, head.cfg.kv_layers, aux, num_computed=n))
     assert drafter.reads_target_kv and drafter.kv_layers == (1, 5)
-    drafter.load(head.embed.weight)
-    start = 0
-    for stop in chunks:
-        ctx = _context(seq, aux, start, stop, sampled=[int(seq[stop])])
-        # the view holds more than the committed rows (as during a chunked prefill): the drafter must not read past
-        ctx.kv_cache = view = FakeKVView(projector, head.cfg.kv_layers, aux, num_computed=stop + 1)
-        assert drafter.ingest(ctx) == [0]
-        assert max(e for _, _, e in view.reads) == stop  # positions 0..stop-1: the root row and before
-        start = stop
-    tree = drafter.draft(ctx, [0], budget=depth)[0]
-    assert tree.parents.tolist() == [-1, 0, 1, 2]
-    full = seq.copy()
-    full[end + 1: end + 1 + depth] = tree.token_ids
-    with torch.no_grad():
-        steps = list(ttt_forward(head, torch.from_numpy(full[None]), aux[None].flatten(-2), depth,
-                                 target_kv=projector(aux[None])))
-    d2t = head.draft_to_target.numpy()
-    for k, logits in steps:
-        probs = torch.softmax(logits[0, end - 1], -1)
-        best = int(probs.argmax())
-        assert int(d2t[best]) == int(tree.token_ids[k]), f"depth {k + 1}"
-        assert float(probs[best]) == pytest.approx(float(tree.node_probs[k]), rel=1e-4, abs=1e-6)
 
 
 def test_kv_only_head_ignores_hidden_states_of_any_shape(tmp_path):

@@ -176,6 +176,7 @@ class TargetKVProjector:
         self.theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         if cfg.get("rope_scaling"):
             raise ValueError(f"{model_dir}: rope_scaling is not supported by the KV-aware trainer")
+        self.num_aux = len(aux_layers)
         self.slots = [list(aux_layers).index(layer) for layer in kv_layers]
         want = {f"model.layers.{layer}.{name}.weight": (j, name) for j, layer in enumerate(kv_layers)
                 for name in ("input_layernorm", "self_attn.k_proj", "self_attn.v_proj")}
@@ -193,7 +194,9 @@ class TargetKVProjector:
         self.v_proj = torch.stack([found[(j, "self_attn.v_proj")] for j in range(n)])
 
     def __call__(self, aux: torch.Tensor, positions: torch.Tensor | None = None):
-        """aux [B, T, n_aux, H] → (K, V) [B, L, T, Hk, D] (fp32); positions default to 0..T-1."""
+        """aux [B, T, n_aux, H] or [B, T, n_aux * H] → (K, V) [B, L, T, Hk, D] (fp32); positions default to 0..T-1."""
+        if aux.dim() == 3:
+            aux = aux.unflatten(-1, (self.num_aux, -1))
         b, t = aux.shape[:2]
         h = aux[:, :, self.slots].float().transpose(1, 2)  # [B, L, T, H]
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm[None, :, None]

@@ -221,7 +221,7 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
         tokens, mask, valid, aux, final = feats.batch(idx)
         target_kv = None
         if projector is not None:
-            target_kv = projector(aux.view(*aux.shape[:2], len(feats.aux_layers), -1))
+            target_kv = projector(aux)
         return (tokens, mask, valid, aux, final), target_kv
     target_rows = (embed[torch.from_numpy(vocab_ids)] * 1.0).float()
     target_embed = embed.float()
