@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
-from vllm_treespec.retrieval import Retriever
+from vllm_treespec.retrieval import DatastoreError, Retriever, check_datastore
 
 
 def check_positive(method: str, opts: Any, *names: str) -> None:
@@ -20,6 +21,16 @@ def check_unit(method: str, opts: Any, *names: str) -> None:
         value = getattr(opts, name)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{method} option {name!r} must be in [0, 1], got {value}")
+
+
+def check_datastore_option(what: str, path: str) -> None:
+    """Fail at config time on a missing, corrupt or foreign datastore file (header only; the arrays load later)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{what}: no such file {path!r}; build one with `vllm-treespec datastore build`")
+    try:
+        check_datastore(path)
+    except DatastoreError as e:
+        raise ValueError(f"{what}: {e}") from e
 
 
 class RetrievalTreeProposer(TreeProposer):

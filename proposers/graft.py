@@ -36,6 +36,7 @@ import msgspec
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
+from vllm_treespec.proposers._retrieval_base import check_datastore_option
 from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore
 
 logger = logging.getLogger("vllm.treespec")
@@ -130,10 +131,10 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 and len(self.checkpoints) != len(self.thresholds):
             raise ValueError(f"graft options 'checkpoints' ({len(self.checkpoints)}) and 'thresholds' "
                              f"({len(self.thresholds)}) must have the same length")
-        for name in ("datastore", "eagle_checkpoint"):
-            path = getattr(self, name)
-            if path is not None and path not in ("auto", "none", "kv_aware") and not os.path.exists(path):
-                raise ValueError(f"graft option {name!r}: no such file or directory {path!r}")
+        if self.datastore is not None:
+            check_datastore_option("graft option 'datastore'", self.datastore)
+        if self.eagle_checkpoint not in ("auto", "none", "kv_aware") and not os.path.exists(self.eagle_checkpoint):
+            raise ValueError(f"graft option 'eagle_checkpoint': no such file or directory {self.eagle_checkpoint!r}")
         if self.eagle_checkpoint not in ("auto", "none", "kv_aware"):
             from vllm_treespec.proposers.eagle_tree import resolve_checkpoint
 

@@ -10,13 +10,13 @@ Needs no model, hidden states or KV cache.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import msgspec
 
 from vllm_treespec.api import ProposeContext
-from vllm_treespec.proposers._retrieval_base import RetrievalTreeProposer, check_positive, check_unit
+from vllm_treespec.proposers._retrieval_base import (RetrievalTreeProposer, check_datastore_option,
+                                                     check_positive, check_unit)
 from vllm_treespec.retrieval import SuffixRetriever, load_datastore
 
 
@@ -54,8 +54,8 @@ class SuffixTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
             raise ValueError(f"suffix_tree option 'max_spec_factor' must be > 0 or null, got {self.max_spec_factor}")
         if self.global_max_tokens < 2 or self.max_tokens_per_request < 2:
             raise ValueError("suffix_tree options 'global_max_tokens' and 'max_tokens_per_request' must be >= 2")
-        if self.datastore is not None and not os.path.isfile(self.datastore):
-            raise ValueError(f"suffix_tree option 'datastore': no such file {self.datastore!r}")
+        if self.datastore is not None:
+            check_datastore_option("suffix_tree option 'datastore'", self.datastore)
 
 
 class SuffixTreeProposer(RetrievalTreeProposer):

@@ -1,7 +1,7 @@
 """Retrieval structures for tree drafting: suffix automata, an n-gram index and a top-k successor table behind one
 :class:`Retriever` interface, plus corpus datastores. Imports neither vLLM nor torch (numpy, numba, msgspec only)."""
 
-from .datastore import Datastore, DatastoreError, build_datastore, load_datastore
+from .datastore import Datastore, DatastoreError, build_datastore, check_datastore, load_datastore
 from .ngram import NgramIndex
 from .sam import StaticSuffixAutomaton, SuffixAutomaton
 from .store import GlobalSuffixStore, NgramRetriever, Retriever, SuccessorRetriever, SuffixRetriever
@@ -11,5 +11,5 @@ from .tree import SEP, RetrievedTree, extract_tree, merge_trees
 __all__ = [
     "SEP", "Datastore", "DatastoreError", "GlobalSuffixStore", "NgramIndex", "NgramRetriever", "RetrievedTree",
     "Retriever", "StaticSuffixAutomaton", "SuccessorRetriever", "SuccessorTable", "SuffixAutomaton",
-    "SuffixRetriever", "build_datastore", "extract_tree", "load_datastore", "merge_trees",
+    "SuffixRetriever", "build_datastore", "check_datastore", "extract_tree", "load_datastore", "merge_trees",
 ]

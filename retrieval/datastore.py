@@ -104,6 +104,68 @@ def save_datastore(path: str | os.PathLike, automaton: StaticSuffixAutomaton, *,
     return header
 
 
+def _fail(path: str, msg: str) -> DatastoreError:
+    return DatastoreError(f"datastore {path!r}: {msg}")
+
+
+def _read_header(path: str) -> tuple[DatastoreHeader, dict[str, tuple[Any, ArraySpec]]]:
+    """The header and the arrays' (dtype, spec), after checking magic, header, format version and that every array
+    lies inside the file. Reads only the header."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(_PREFIX.size)
+            if len(prefix) < _PREFIX.size:
+                raise _fail(path, "file too short to be a datastore")
+            magic, hlen = _PREFIX.unpack(prefix)
+            if magic != MAGIC:
+                raise _fail(path, f"not a vllm-treespec datastore (magic {magic!r}, expected {MAGIC!r})")
+            if hlen > size - _PREFIX.size:
+                raise _fail(path, "header length exceeds the file size (truncated or corrupt file)")
+            blob = f.read(hlen)
+    except OSError as e:
+        raise DatastoreError(f"cannot read datastore {path!r}: {e}") from e
+    try:
+        header = msgspec.msgpack.decode(blob, type=DatastoreHeader)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise _fail(path, f"corrupt header ({e})") from e
+    if header.magic != MAGIC.decode():
+        raise _fail(path, f"corrupt header (magic field {header.magic!r})")
+    if header.format_version != FORMAT_VERSION:
+        raise _fail(path, f"format version {header.format_version} is not supported (this build reads version "
+                          f"{FORMAT_VERSION}); rebuild it with `vllm-treespec datastore build`")
+    if set(header.arrays) != set(_ARRAYS):
+        raise _fail(path, f"arrays {sorted(header.arrays)} do not match the expected {sorted(_ARRAYS)}")
+    specs = {}
+    for name, (dtype, ndim) in _ARRAYS.items():
+        spec = header.arrays[name]
+        if spec.dtype != np.dtype(dtype).name or len(spec.shape) != ndim or min(spec.shape, default=0) < 0:
+            raise _fail(path, f"array {name!r} has dtype {spec.dtype} and shape {spec.shape}")
+        nbytes = int(np.prod(spec.shape)) * np.dtype(dtype).itemsize
+        if spec.offset < _PREFIX.size + hlen or spec.offset + nbytes > size:
+            raise _fail(path, f"array {name!r} lies outside the file (truncated or corrupt file)")
+        specs[name] = (dtype, spec)
+    counts = tuple(header.arrays[name].shape[0] for name in ("states", "edges", "tokens"))
+    if counts != (header.num_states, header.num_edges, header.num_tokens):
+        raise _fail(path, "array sizes disagree with the header counts")
+    return header, specs
+
+
+def _checked(path: str, model_vocab_size: int | None) -> tuple[DatastoreHeader, dict[str, tuple[Any, ArraySpec]]]:
+    header, specs = _read_header(path)
+    if model_vocab_size is not None and header.vocab_size > model_vocab_size:
+        raise _fail(path, f"built for a vocabulary of {header.vocab_size} tokens (tokenizer {header.tokenizer!r}) "
+                          f"but the model has only {model_vocab_size}")
+    return header, specs
+
+
+def check_datastore(path: str | os.PathLike, *, model_vocab_size: int | None = None) -> DatastoreHeader:
+    """Cheap check that reads only the header: magic, format version, array layout against the file size, and the
+    vocabulary against ``model_vocab_size``. Option validation calls it, so a wrong file fails when the config is
+    read, before an engine starts; :func:`load_datastore` also checks the automaton's structure."""
+    return _checked(os.fspath(path), model_vocab_size)[0]
+
+
 def load_datastore(path: str | os.PathLike, *, model_vocab_size: int | None = None,
                    expected_tokenizer: str | None = None, verify_checksums: bool = False) -> Datastore:
     """Open a datastore read-only (memory-mapped) and validate it; see the module docstring.
@@ -111,61 +173,22 @@ def load_datastore(path: str | os.PathLike, *, model_vocab_size: int | None = No
     ``model_vocab_size``: fail if the datastore's tokenizer has more tokens than the model's (padded) vocabulary.
     ``expected_tokenizer``: warn if the datastore was built with a tokenizer of another name."""
     path = os.fspath(path)
-
-    def fail(msg: str) -> DatastoreError:
-        return DatastoreError(f"datastore {path!r}: {msg}")
-
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            prefix = f.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size:
-                raise fail("file too short to be a datastore")
-            magic, hlen = _PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise fail(f"not a vllm-treespec datastore (magic {magic!r}, expected {MAGIC!r})")
-            if hlen > size - _PREFIX.size:
-                raise fail("header length exceeds the file size (truncated or corrupt file)")
-            blob = f.read(hlen)
-    except OSError as e:
-        raise DatastoreError(f"cannot read datastore {path!r}: {e}") from e
-    try:
-        header = msgspec.msgpack.decode(blob, type=DatastoreHeader)
-    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
-        raise fail(f"corrupt header ({e})") from e
-    if header.magic != MAGIC.decode():
-        raise fail(f"corrupt header (magic field {header.magic!r})")
-    if header.format_version != FORMAT_VERSION:
-        raise fail(f"format version {header.format_version} is not supported (this build reads version "
-                   f"{FORMAT_VERSION}); rebuild it with `vllm-treespec datastore build`")
-    if model_vocab_size is not None and header.vocab_size > model_vocab_size:
-        raise fail(f"built for a vocabulary of {header.vocab_size} tokens (tokenizer {header.tokenizer!r}) but the "
-                   f"model has only {model_vocab_size}")
+    header, specs = _checked(path, model_vocab_size)
     if expected_tokenizer is not None and header.tokenizer != expected_tokenizer:
         warnings.warn(f"datastore {path!r} was built with tokenizer {header.tokenizer!r}, not {expected_tokenizer!r}",
                       stacklevel=2)
-    if set(header.arrays) != set(_ARRAYS):
-        raise fail(f"arrays {sorted(header.arrays)} do not match the expected {sorted(_ARRAYS)}")
     arrays = {}
-    for name, (dtype, ndim) in _ARRAYS.items():
-        spec = header.arrays[name]
-        if spec.dtype != np.dtype(dtype).name or len(spec.shape) != ndim or min(spec.shape, default=0) < 0:
-            raise fail(f"array {name!r} has dtype {spec.dtype} and shape {spec.shape}")
+    for name, (dtype, spec) in specs.items():
         nbytes = int(np.prod(spec.shape)) * np.dtype(dtype).itemsize
-        if spec.offset < _PREFIX.size + hlen or spec.offset + nbytes > size:
-            raise fail(f"array {name!r} lies outside the file (truncated or corrupt file)")
         a = (np.memmap(path, dtype=dtype, mode="r", offset=spec.offset, shape=tuple(spec.shape)) if nbytes
              else np.zeros(spec.shape, dtype))
         if verify_checksums and _crc(a) != spec.crc32:
-            raise fail(f"checksum mismatch in array {name!r} (corrupt file)")
+            raise _fail(path, f"checksum mismatch in array {name!r} (corrupt file)")
         arrays[name] = a
-    states, edges, tokens = arrays["states"], arrays["edges"], arrays["tokens"]
-    if (states.shape[0], edges.shape[0], tokens.shape[0]) != (header.num_states, header.num_edges, header.num_tokens):
-        raise fail("array sizes disagree with the header counts")
     try:
-        automaton = StaticSuffixAutomaton(states, edges, tokens)
+        automaton = StaticSuffixAutomaton(arrays["states"], arrays["edges"], arrays["tokens"])
     except ValueError as e:
-        raise fail(str(e)) from e
+        raise _fail(path, str(e)) from e
     return Datastore(path=path, header=header, automaton=automaton)
 
 

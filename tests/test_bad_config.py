@@ -6,11 +6,15 @@ starts a few of them for real in CI.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from vllm_treespec.config import TreeSpecConfigError, translate
 
 SUFFIX_PATH = "vllm_treespec.proposers.suffix_tree.SuffixTreeProposer"
+#: an existing file that is not a datastore (this one): rejected from its header at translation, before any engine
+NOT_A_DATASTORE = os.path.abspath(__file__)
 
 #: (id, speculative config, substrings the message must contain: the field and what is wrong)
 BAD_CONFIGS = [
@@ -43,6 +47,10 @@ BAD_CONFIGS = [
     ("suffix-datastore-missing", {"method": "suffix_tree", "datastore": "/nonexistent/corpus.vtds"},
      ["datastore", "no such file"]),
     ("suffix-datastore-type", {"method": "suffix_tree", "datastore": 5}, ["datastore", "Expected `str | null`"]),
+    ("suffix-datastore-not-a-datastore", {"method": "suffix_tree", "datastore": NOT_A_DATASTORE},
+     ["datastore", "not a vllm-treespec datastore"]),
+    ("graft-datastore-not-a-datastore", {"method": "graft", "datastore": NOT_A_DATASTORE},
+     ["graft option 'datastore'", "not a vllm-treespec datastore"]),
     ("suffix-by-class-path", {"method": "custom_class", "model": SUFFIX_PATH, "max_depth": 0}, ["max_depth"]),
     ("ngram-min-n-zero", {"method": "ngram_tree", "min_n": 0}, ["min_n", ">= 1"]),
     ("ngram-max-n-below-min-n", {"method": "ngram_tree", "min_n": 3, "max_n": 2}, ["max_n", "min_n"]),
