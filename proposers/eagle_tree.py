@@ -339,7 +339,10 @@ class EagleDrafter:
         """EAGLE-2 trees of at most ``budget`` nodes for ``rows`` (those ingested this step)."""
         import torch
 
-        head, k = self.head, self.top_k
+        # The kept tree is the top `budget` nodes by score, closed under ancestors (a child scores below its parent):
+        # a node deeper than `budget`, or ranked below `budget` among its siblings or its level, is never kept, so
+        # growing past those bounds only costs time (exact: the same tree either way).
+        head, k, max_depth = self.head, min(self.top_k, max(budget, 1)), min(self.depth, max(budget, 1))
         grows: dict[int, _Growing] = {}
         with torch.inference_mode():
             # depth 1: children of the root from the last ingested row's output
@@ -358,7 +361,7 @@ class EagleDrafter:
                              depths=[1] * top_id.shape[1], slot={}, frontier=list(range(top_id.shape[1])))
                 g.frontier_r2 = st.last_r2[None].expand(len(g.frontier), -1)
                 grows[i] = g
-            for depth in range(1, self.depth):
+            for depth in range(1, max_depth):
                 active = [i for i in ready if grows[i].frontier]
                 if not active:
                     break
@@ -410,7 +413,7 @@ class EagleDrafter:
                             g.depths.append(depth + 1)
                             new_nodes.append(len(g.tokens) - 1)
                             new_scores.append(s)
-                    if depth + 1 < self.depth:
+                    if depth + 1 < max_depth:
                         row_of = {parent: offset + j for j, parent in enumerate(g.frontier)}
                         best = np.argsort(-np.asarray(new_scores), kind="stable")[:k]
                         g.frontier = [new_nodes[b] for b in best]

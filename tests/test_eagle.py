@@ -149,6 +149,31 @@ def test_tree_is_reranked_best_first_and_closed_under_parents(tmp_path):
     assert len(set(tree.token_ids[parents == -1].tolist())) == int((parents == -1).sum())
 
 
+@pytest.mark.parametrize("budget", [1, 2, 3, 5, 7])
+def test_small_budget_grows_less_and_keeps_the_same_tree(tmp_path, budget):
+    """A budget below depth or top_k caps the expansion (fewer levels, narrower frontier); the tree must be exactly
+    the best ``budget`` nodes of the full expansion, as when every level was grown."""
+    head, path = small_head(tmp_path, seed=2)
+    rng = np.random.default_rng(2)
+    seq = rng.integers(0, VOCAB, size=40)
+    aux = torch.randn(40, 3, HIDDEN)
+    drafter = EagleDrafter(path, depth=6, top_k=8)
+    drafter.load(head.embed.weight)
+    ctx = _context(seq, aux, 0, 30, sampled=[int(seq[30])])
+    drafter.ingest(ctx)
+    full = drafter.draft(ctx, [0], budget=6 * 8 + 8)[0]
+    small = drafter.draft(ctx, [0], budget=budget)[0]
+    scores = np.zeros(full.num_nodes)
+    for i in range(full.num_nodes):
+        p = full.parents[i]
+        scores[i] = np.log(full.node_probs[i]) + (scores[p] if p >= 0 else 0.0)
+    kept = np.sort(np.argsort(-scores, kind="stable")[:budget])
+    remap = {int(old): new for new, old in enumerate(kept)}
+    assert small.token_ids.tolist() == full.token_ids[kept].tolist()
+    assert small.parents.tolist() == [-1 if p < 0 else remap[int(p)] for p in full.parents[kept]]
+    assert small.node_probs == pytest.approx(full.node_probs[kept], rel=1e-5)
+
+
 def test_release_and_cache_bound(tmp_path):
     head, path = small_head(tmp_path)
     drafter = EagleDrafter(path, depth=2, top_k=2, max_cached_requests=3)
