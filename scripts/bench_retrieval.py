@@ -147,6 +147,11 @@ def main() -> None:
     if vllm_kernel is not None:
         bench_vllm(vllm_kernel, stream, [1000], args.budget)
     same = dict(min_prob=0.1, max_spec_factor=1.0)  # Arctic's defaults (min_token_prob 0.1, max_spec_factor 1)
+    from vllm_treespec.proposers.suffix_tree import SuffixTreeOptions
+
+    o = SuffixTreeOptions()  # what `"method": "suffix_tree"` runs with
+    shipped = dict(max_depth=o.max_depth, min_prob=o.min_token_prob, min_score=o.min_confidence,
+                   min_match_len=o.min_match_len, max_spec_factor=o.max_spec_factor, match_window=o.match_window)
     print(f"{'tokens':>7} {'method':<26} {'append Mtok/s':>13} {'p50 us':>8} {'p99 us':>8} {'covered':>8}")
     for n in args.sizes:
         n = min(n, len(stream) - 64)
@@ -154,6 +159,8 @@ def main() -> None:
         rows = {}
         tput, lat, cov = bench_ours(stream, n, positions, args.budget, args.chunk, **same)
         rows["suffix_tree (Arctic params)"] = (tput, lat, cov)
+        _, lat_d, cov_d = bench_ours(stream, n, positions, args.budget, args.chunk, **shipped)
+        rows["suffix_tree (defaults)"] = (tput, lat_d, cov_d)
         _, lat2, cov2 = bench_ours(stream, n, positions, args.budget, args.chunk, min_prob=0.0)
         rows["suffix_tree (full budget)"] = (tput, lat2, cov2)
         if SuffixDecodingCache is not None:
