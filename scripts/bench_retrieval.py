@@ -70,6 +70,7 @@ def bench_ours(stream, n, positions, budget, chunk, **kw):
     for i in range(0, n, chunk):
         sam.extend(stream[i:i + chunk])
     append_s = time.perf_counter() - start
+    memory = (sam.nbytes / n, sam.nbytes_for(n) / n, sam.num_states / n, sam.num_edges / n)
     r = SuffixRetriever(global_max_tokens=0, max_tokens_per_request=max(n, 2), **kw)
     lat, cov = [], []
     r.retrieve("q", stream[:positions[0] - 1], 0)
@@ -80,7 +81,7 @@ def bench_ours(stream, n, positions, budget, chunk, **kw):
         tree = r.retrieve("q", ctx, budget)
         lat.append(time.perf_counter() - t)
         cov.append(covered(tree.token_ids.tolist(), tree.parents.tolist(), stream[pos:pos + 64].tolist()))
-    return n / append_s, lat, cov
+    return n / append_s, lat, cov, memory
 
 
 def bench_arctic(cache_cls, stream, n, positions, budget, chunk):
@@ -157,11 +158,11 @@ def main() -> None:
         n = min(n, len(stream) - 64)
         positions = np.linspace(max(n // 2, 2), n, args.queries).astype(int).tolist()
         rows = {}
-        tput, lat, cov = bench_ours(stream, n, positions, args.budget, args.chunk, **same)
+        tput, lat, cov, memory = bench_ours(stream, n, positions, args.budget, args.chunk, **same)
         rows["suffix_tree (Arctic params)"] = (tput, lat, cov)
-        _, lat_d, cov_d = bench_ours(stream, n, positions, args.budget, args.chunk, **shipped)
+        _, lat_d, cov_d, _ = bench_ours(stream, n, positions, args.budget, args.chunk, **shipped)
         rows["suffix_tree (defaults)"] = (tput, lat_d, cov_d)
-        _, lat2, cov2 = bench_ours(stream, n, positions, args.budget, args.chunk, min_prob=0.0)
+        _, lat2, cov2, _ = bench_ours(stream, n, positions, args.budget, args.chunk, min_prob=0.0)
         rows["suffix_tree (full budget)"] = (tput, lat2, cov2)
         if SuffixDecodingCache is not None:
             rows["arctic SuffixDecoding tree"] = bench_arctic(SuffixDecodingCache, stream, n, positions, args.budget,
@@ -170,6 +171,9 @@ def main() -> None:
             rows["vllm ngram (KMP chain)"] = (float("nan"), *bench_vllm(vllm_kernel, stream, positions, args.budget))
         for name, (tp, la, co) in rows.items():
             print(f"{n:>7} {name:<26} {tp / 1e6:>13.2f} {pct(la, 50):>8.1f} {pct(la, 99):>8.1f} {np.mean(co):>8.2f}")
+        held, tight, states, edges = memory
+        print(f"{n:>7} memory: {held:.0f} bytes/token held by the growable automaton (capacity doubling), "
+              f"{tight:.0f} at exact capacity; {states:.2f} states and {edges:.2f} edges per token")
         if SuffixDecodingCache is not None:
             ours, arc = rows["suffix_tree (Arctic params)"], rows["arctic SuffixDecoding tree"]
             print(f"{n:>7} ratio ours/Arctic: append x{ours[0] / arc[0]:.2f}, "

@@ -4,4 +4,5 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec "${VLLM_TREESPEC_VENV:-$ROOT/.venv}/bin/python" -m pytest -m "not slow" --timeout=900 "$@" tests
+# --durations: the slowest tests in the log, to keep the suite inside its time budget
+exec "${VLLM_TREESPEC_VENV:-$ROOT/.venv}/bin/python" -m pytest -m "not slow" --timeout=900 --durations=15 "$@" tests
