@@ -19,7 +19,8 @@ verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only
 
 Budgets: ``budget`` nodes per request at batch 1 (default ``num_speculative_tokens``), fewer as the batch grows —
 from the calibration file's measured table, else ``knee_tokens / batch - 1`` (verification costs about one decode
-step up to ``knee_tokens`` tokens per forward). ``calibrate`` (CLI: :func:`calibrate_main`) replays greedy outputs of
+step up to ``knee_tokens`` tokens per forward) when ``knee_tokens`` is given or off CPU, else a table measured on CPU
+(:data:`DEFAULT_CPU_BUDGET_TABLE`). ``calibrate`` (CLI: :func:`calibrate_main`) replays greedy outputs of
 the target offline to pick the thresholds and measures the step cost to build that table.
 """
 
@@ -47,9 +48,14 @@ GraftPosition = Literal["root", "deepest", "both"]
 #: (what ``calibrate`` chose for SmolLM2-135M on 2 CPU cores, MT-Bench + HumanEval, budget 32)
 DEFAULT_CHECKPOINTS = (1, 2, 6)
 DEFAULT_THRESHOLDS = (0.0, 0.4, 0.9)
-#: tokens per verify forward below which a step costs about one decode step, when not calibrated (CPU: measured
-#: for SmolLM2-135M on 2 cores, 8-16; GPUs stay flat for hundreds of tokens)
+#: tokens per verify forward below which a step costs about one decode step, when not calibrated (GPUs stay flat for
+#: hundreds of tokens)
 DEFAULT_KNEE_TOKENS = {"cpu": 16, "other": 512}
+#: CPU budget by batch size when not calibrated. On 2 cores a forward is already compute-bound at a few tokens (the
+#: no-speculation server's time per output token at concurrency 1/4/8/16: 50/48/60/83 ms for 1/4/8/16 tokens per
+#: step), so a hinge at 16 tokens gave batches of 4 three nodes each and lost 15% to no speculation
+#: (`vllm-treespec bench serve`, README). Full budget alone, 3 nodes each for two requests, none from four.
+DEFAULT_CPU_BUDGET_TABLE = {1: 128, 2: 3, 4: 0}
 #: successor-table vocabulary when the model's is unknown (no vllm_config); tokens beyond it are not learned
 FALLBACK_VOCAB_SIZE = 1 << 17
 #: confidence scale of successors seeded from committed bigrams (they are counts, not target distributions)
@@ -589,7 +595,12 @@ class GraftProposer(TreeProposer):
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         knee = opts.knee_tokens or (calibration.knee_tokens if calibration and calibration.knee_tokens else
                                     DEFAULT_KNEE_TOKENS["cpu" if device == "cpu" else "other"])
-        table = calibration.budget_by_batch if calibration and opts.knee_tokens is None else None
+        table = None
+        if opts.knee_tokens is None:
+            if calibration is not None:
+                table = calibration.budget_by_batch
+            elif device == "cpu":
+                table = DEFAULT_CPU_BUDGET_TABLE
         self.max_budget = opts.budget or self.max_nodes or 0
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)

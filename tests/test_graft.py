@@ -271,6 +271,14 @@ def test_adaptive_budget_shrinks_monotonically_with_batch_size():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == 16 and sizes[-1] == 1
 
 
+def test_cpu_default_budget_is_the_measured_table():
+    """Uncalibrated on CPU: the full budget alone, 3 nodes for two requests, no speculation from four (a hinge at
+    16 tokens lost 15% to no speculation at concurrency 4 on this machine); an explicit knee brings the hinge back."""
+    curve = proposer(budget=16).budget_curve
+    assert [curve(n) for n in (1, 2, 3, 4, 8, 64)] == [16, 3, 3, 0, 0, 0]
+    assert proposer(budget=16, knee_tokens=32).budget_curve(4) == 7
+
+
 @pytest.mark.parametrize("raw, field", [
     ({"budget": 0}, "budget"),
     ({"thresholds": [0.5, 1.5], "checkpoints": [1, 2]}, "thresholds"),
