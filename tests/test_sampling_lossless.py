@@ -121,4 +121,6 @@ def test_tree_sampling_matches_plain_sampling(variant, tmp_path, tiny_model, pla
     pvalues = {position: _homogeneity_pvalue([s[position] for s in plain], [s[position] for s in speculative])
                for position in range(1, MAX_TOKENS)}  # the first token comes from prefill, later ones from trees
     pvalues["joint 1-2"] = _homogeneity_pvalue([s[1:3] for s in plain], [s[1:3] for s in speculative])
+    print(f"{variant}: accepted {counters['num_accepted_tokens']} of {counters['num_draft_tokens']} drafts; "
+          f"p-values {pvalues}")  # shown with -s
     assert min(pvalues.values()) > ALPHA / len(pvalues), pvalues
