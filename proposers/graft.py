@@ -139,9 +139,10 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"({len(self.thresholds)}) must have the same length")
         if self.datastore is not None:
             check_datastore_option("graft option 'datastore'", self.datastore)
-        if self.eagle_checkpoint not in ("auto", "none", "kv_aware") and not os.path.exists(self.eagle_checkpoint):
-            raise ValueError(f"graft option 'eagle_checkpoint': no such file or directory {self.eagle_checkpoint!r}")
         if self.eagle_checkpoint not in ("auto", "none", "kv_aware"):
+            if not os.path.exists(self.eagle_checkpoint):
+                raise ValueError(f"graft option 'eagle_checkpoint': no such file or directory "
+                                 f"{self.eagle_checkpoint!r}")
             from vllm_treespec.proposers.eagle_tree import resolve_checkpoint
 
             resolve_checkpoint(self.eagle_checkpoint, "graft option 'eagle_checkpoint'")
