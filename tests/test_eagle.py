@@ -123,28 +123,37 @@ def test_incremental_drafting_matches_unrolled_training_forward(tmp_path, chunks
     check_chain_matches_unrolled_forward(head, path, chunks)
 
 
-def test_tree_is_reranked_best_first_and_closed_under_parents(tmp_path):
-    head, path = small_head(tmp_path, seed=1)
-    rng = np.random.default_rng(1)
+def _ingested_drafter(tmp_path, seed: int, depth: int, top_k: int):
+    """A drafter on a random head that has ingested 30 random context rows, and the context to draft from."""
+    head, path = small_head(tmp_path, seed=seed)
+    rng = np.random.default_rng(seed)
     seq = rng.integers(0, VOCAB, size=40)
     aux = torch.randn(40, 3, HIDDEN)
-    drafter = EagleDrafter(path, depth=5, top_k=4)
+    drafter = EagleDrafter(path, depth=depth, top_k=top_k)
     drafter.load(head.embed.weight)
     ctx = _context(seq, aux, 0, 30, sampled=[int(seq[30])])
     drafter.ingest(ctx)
+    return drafter, ctx
+
+
+def _path_log_scores(tree) -> np.ndarray:
+    """Cumulative draft log-probability of every node's path."""
+    scores = np.zeros(tree.num_nodes)
+    for i in range(tree.num_nodes):
+        p = tree.parents[i]
+        scores[i] = np.log(tree.node_probs[i]) + (scores[p] if p >= 0 else 0.0)
+    return scores
+
+
+def test_tree_is_reranked_best_first_and_closed_under_parents(tmp_path):
+    drafter, ctx = _ingested_drafter(tmp_path, seed=1, depth=5, top_k=4)
     tree = drafter.draft(ctx, [0], budget=20)[0]
     assert tree.num_nodes == 20
     parents = tree.parents
     assert np.all(parents < np.arange(20))
-    path_scores = np.zeros(20)
-    for i in range(20):
-        path_scores[i] = np.log(tree.node_probs[i]) + (path_scores[parents[i]] if parents[i] >= 0 else 0.0)
+    path_scores = _path_log_scores(tree)
     # every node not kept (depth <= 5) scores at most the worst kept node: checked through a bigger budget
-    bigger = drafter.draft(ctx, [0], budget=200)[0]
-    big_scores = np.zeros(bigger.num_nodes)
-    for i in range(bigger.num_nodes):
-        p = bigger.parents[i]
-        big_scores[i] = np.log(bigger.node_probs[i]) + (big_scores[p] if p >= 0 else 0.0)
+    big_scores = _path_log_scores(drafter.draft(ctx, [0], budget=200)[0])
     assert np.sort(big_scores)[::-1][:20] == pytest.approx(np.sort(path_scores)[::-1], rel=1e-5)
     assert len(set(tree.token_ids[parents == -1].tolist())) == int((parents == -1).sum())
 
@@ -153,20 +162,10 @@ def test_tree_is_reranked_best_first_and_closed_under_parents(tmp_path):
 def test_small_budget_grows_less_and_keeps_the_same_tree(tmp_path, budget):
     """A budget below depth or top_k caps the expansion (fewer levels, narrower frontier); the tree must be exactly
     the best ``budget`` nodes of the full expansion, as when every level was grown."""
-    head, path = small_head(tmp_path, seed=2)
-    rng = np.random.default_rng(2)
-    seq = rng.integers(0, VOCAB, size=40)
-    aux = torch.randn(40, 3, HIDDEN)
-    drafter = EagleDrafter(path, depth=6, top_k=8)
-    drafter.load(head.embed.weight)
-    ctx = _context(seq, aux, 0, 30, sampled=[int(seq[30])])
-    drafter.ingest(ctx)
+    drafter, ctx = _ingested_drafter(tmp_path, seed=2, depth=6, top_k=8)
     full = drafter.draft(ctx, [0], budget=6 * 8 + 8)[0]
     small = drafter.draft(ctx, [0], budget=budget)[0]
-    scores = np.zeros(full.num_nodes)
-    for i in range(full.num_nodes):
-        p = full.parents[i]
-        scores[i] = np.log(full.node_probs[i]) + (scores[p] if p >= 0 else 0.0)
+    scores = _path_log_scores(full)
     kept = np.sort(np.argsort(-scores, kind="stable")[:budget])
     remap = {int(old): new for new, old in enumerate(kept)}
     assert small.token_ids.tolist() == full.token_ids[kept].tolist()
