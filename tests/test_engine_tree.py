@@ -233,15 +233,16 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
 def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_path):
     """graft with a KV-aware head as its model drafter (the KV-only mode: no hidden states reach the head), exact."""
     head, trained = _draft_head(model, tmp_path / "head", "kv")
+    # adaptive budget off: on CPU the default budget table drafts nothing at batch >= 4, and this batch is 12
     llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
-                           "eagle_depth": 5, "eagle_top_k": 4})
+                           "eagle_depth": 5, "eagle_top_k": 4, "adaptive_budget": False})
     try:
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
     finally:
         close(llm)
     assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
-    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > counters["num_drafts"]
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 10 * counters["num_drafts"]
     if trained:  # a random head is confidently wrong: nothing is pruned, so nothing is grafted or accepted
         assert counters["num_accepted_tokens"] > 0, counters
 
