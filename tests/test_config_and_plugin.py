@@ -64,7 +64,7 @@ def test_patch_signatures_match_installed_vllm():
     model_runner.apply()
     rejection_sampler.apply()
     topk_topp_sampler.apply()
-    assert len(EXPECTED_SIGNATURES) == 9
+    assert len(EXPECTED_SIGNATURES) == 10
     assert check_signatures() == []
 
 

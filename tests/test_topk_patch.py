@@ -26,3 +26,41 @@ def test_top_k_only_with_zero_rows_and_unchanged_otherwise():
     want = original(logits.clone(), k)
     assert torch.equal(got, want)
     assert [int(torch.isfinite(row).sum()) for row in got] == [2, 16, 5]
+
+
+@pytest.mark.parametrize("case", ["distinct", "ties", "masked entries", "a row without top-k", "k beyond the limit"])
+def test_top_k_then_top_p_keeps_exactly_what_vllm_keeps(case):
+    """The fast top-k + top-p path (topk over the survivors instead of a full sort) against vLLM's original."""
+    import torch
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    from vllm_treespec.patches import topk_topp_sampler
+
+    topk_topp_sampler.apply()
+    original = tts.apply_top_k_top_p_pytorch.__vllm_treespec_original__
+    generator = torch.Generator().manual_seed(1)
+    rows, vocab = 257, 4096
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    k = torch.randint(1, 60, (rows,), generator=generator, dtype=torch.int32)
+    p = torch.rand(rows, generator=generator) * 0.6 + 0.4
+    p[::7] = 1.0  # top-p off for some rows
+    k[::11] = 1
+    if case == "ties":  # coarse logits: the k-th value ties with others, inside and beyond the first max(k) columns
+        logits = logits.round()
+    elif case == "masked entries":  # -inf from logits processors (bad words, min tokens); fewer finite than k
+        logits[:, ::2] = -float("inf")
+        logits[3, :] = -float("inf")
+        logits[3, 5:8] = 1.0
+    elif case == "a row without top-k":
+        k[10] = vocab
+    elif case == "k beyond the limit":
+        k[10] = vocab // 2
+    got = tts.apply_top_k_top_p_pytorch(logits.clone(), k.clone(), p.clone(), allow_cpu_sync=True)
+    want = original(logits.clone(), k.clone(), p.clone(), allow_cpu_sync=True)
+    kept = torch.isfinite(got).sum(dim=1)
+    assert torch.equal(kept, torch.isfinite(want).sum(dim=1)) and int(kept.min()) >= 1
+    if case == "ties":  # top-p may cut through equal logits: which of them survive is the sort's arbitrary order
+        assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+        assert bool((kept > k).any())  # ties beyond the k-th value were kept, as vLLM keeps them
+    else:
+        assert torch.equal(got, want)

@@ -1,18 +1,29 @@
-"""Patch of ``vllm.v1.sample.ops.topk_topp_sampler`` (module function), CPU only.
+"""Patches of ``vllm.v1.sample.ops.topk_topp_sampler`` (module functions), CPU only.
 
-On CPU, top-k without top-p goes through ``apply_top_k_only``, which starts with ``k.max()``. When the rejection
-sampler constrains the target logits of a step whose batch has no draft token to score (zero rows) but a request
-uses top-k, that reduction over an empty tensor raises "max(): Expected reduction dim to be specified for
-input.numel() == 0" and kills the engine. The soak (``tests/test_server_reliability.py``) hits it with a streamed
-top-k-only request among greedy ones. With zero rows there is nothing to mask: the wrapper returns the logits
-unchanged and calls the original otherwise.
+``apply_top_k_only``: on CPU, top-k without top-p starts with ``k.max()``. When the rejection sampler constrains the
+target logits of a step whose batch has no draft token to score (zero rows) but a request uses top-k, that reduction
+over an empty tensor raises "max(): Expected reduction dim to be specified for input.numel() == 0" and kills the
+engine. The soak (``tests/test_server_reliability.py``) hits it with a streamed top-k-only request among greedy ones.
+With zero rows there is nothing to mask: the wrapper returns the logits unchanged and calls the original otherwise.
+
+``apply_top_k_top_p_pytorch``: with top-k *and* top-p the original sorts every row over the whole vocabulary. A tree
+step at T > 0 constrains 1 + budget rows per request (twice: vLLM's rejection sampler, then tree acceptance), and
+on CPU those sorts were 85% of the worker's time (py-spy, ``tests/test_sampling_lossless.py``). When every row has
+a top-k well below the vocabulary, the wrapper masks below the k-th largest logit (ties kept, as the original does)
+and then applies top-p to the survivors only: ``topk`` over at most ``max(k) + ties`` columns instead of a full
+sort. Same kept set as the original up to float rounding at the top-p boundary (the survivors' softmax is summed in
+another order); the original handles every other case.
 """
 
 from __future__ import annotations
 
+import torch
 from vllm.v1.sample.ops import topk_topp_sampler
 
 from vllm_treespec.patches import is_patched, wrap_function
+
+# Above this many survivors per row a full sort costs about the same as topk; leave those batches to the original.
+MAX_SURVIVORS_FRACTION = 1 / 16
 
 
 def apply() -> None:
@@ -26,3 +37,33 @@ def apply() -> None:
         if logits.shape[0] == 0:
             return logits
         return original(logits, k)
+
+    @wrap_function(topk_topp_sampler, "apply_top_k_top_p_pytorch", ("logits", "k", "p", "allow_cpu_sync"))
+    def apply_top_k_top_p_pytorch(original, logits, k, p, allow_cpu_sync=False):
+        if k is None or p is None or logits.shape[0] == 0:
+            return original(logits, k, p, allow_cpu_sync)
+        return top_k_then_top_p(logits, k, p, original, allow_cpu_sync)
+
+
+def top_k_then_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, original, allow_cpu_sync: bool
+                     ) -> torch.Tensor:
+    """Top-k then top-p over the top-k survivors only (in place, like the original)."""
+    limit = max(1, int(logits.shape[1] * MAX_SURVIVORS_FRACTION))
+    max_k = int(k.max())
+    if max_k > limit:
+        return original(logits, k, p, allow_cpu_sync)
+    values, index = logits.topk(max_k + 1, dim=1)  # descending; one extra column to see ties beyond max_k
+    kth = values.gather(1, (k.to(torch.long) - 1).unsqueeze(1))
+    if bool((values[:, -1:] == kth).any()):
+        # a row's k-th value ties with logits outside the first max_k columns (the original keeps all ties): mask on
+        # the full row, then top-p as vLLM does it
+        logits.masked_fill_(logits < kth, -float("inf"))
+        return original(logits, None, p, allow_cpu_sync)
+    values, index = values[:, :-1], index[:, :-1]
+    values.masked_fill_(values < kth, -float("inf"))
+    values, index = values.flip(1), index.flip(1)  # ascending, as the original's cumulative sum runs
+    cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # at least one token
+    values.masked_fill_(drop, -float("inf"))
+    return logits.fill_(-float("inf")).scatter_(1, index, values)
