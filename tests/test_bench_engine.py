@@ -29,7 +29,7 @@ def test_bench_offline_reports_every_category_and_is_lossless(tmp_path, monkeypa
     overall = rows[("suffix_tree", "overall")]
     assert overall["requests"] == 3  # two turns of the code question
     assert overall["lossless"] == {"identical": 2, "prompts": 2}
-    assert overall["drafts"] > 0 and overall["tau"] >= 1.0
+    assert overall["drafts"] > 0 and overall["tau"] >= 1.0 and overall["tokens_per_step"] > 1.0
     assert len(overall["acceptance_per_pos"]) == 16
     assert all(a >= b for a, b in zip(overall["acceptance_per_pos"], overall["acceptance_per_pos"][1:]))
     assert rows[("none", "overall")]["drafts"] == 0 and rows[("none", "overall")]["speedup"] == pytest.approx(1.0)

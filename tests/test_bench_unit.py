@@ -87,6 +87,8 @@ def test_summarize_speedup_median_and_lossless_counts():
     assert code["speedup"] == pytest.approx(22.0 / 11.0)
     assert code["lossless"] == {"identical": 1, "prompts": 2}
     assert code["tau"] == pytest.approx(1 + 18 / 12)  # counters summed over the 3 repeats
+    assert code["tokens_per_step"] == pytest.approx(720 / (720 - 18))  # every step counts, drafted or not
+    assert by[("none", "code")]["tokens_per_step"] == pytest.approx(1.0)
     assert by[("st", "overall")]["lossless"] == {"identical": 2, "prompts": 3}
     assert "lossless" not in by[("none", "code")]
     assert by[("suffix", "overall")]["status"] == "skipped"

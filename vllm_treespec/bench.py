@@ -7,6 +7,10 @@ no speculation always runs first as the baseline. Per category and overall it re
 * tau: mean tokens committed per verify step, bonus included: ``1 + accepted / drafts`` from vLLM's spec-decode
   counters (vLLM counts a draft per request per step that had one, so steps where the proposer found nothing are
   not in the denominator);
+* tok/step: output tokens per target forward over *all* steps, ``output / (output - accepted)`` (each forward commits
+  one token plus the accepted drafts; the prefill counts as one). Unlike tau it charges a method for the steps it
+  drafted nothing, so it compares a drafter that often stays silent (n-gram lookup) fairly with one that always
+  drafts;
 * per-position acceptance: ``vllm:spec_decode_num_accepted_tokens_per_pos[k] / drafts``;
 * tok/s (output tokens / wall time of the generate calls) and decode tok/s (tokens after the first / time from
   the first to the last token of each generate call, from vLLM's request timestamps);
@@ -405,11 +409,13 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
             for run in runs:
                 counters = counters + run.counters
             speed = _median([r.tok_per_s for r in runs])
+            output = sum(r.output_tokens for r in runs)
             row = {
                 "method": result.spec.label, "category": category, "status": "ok",
                 "requests": runs[0].requests if runs else 0,
                 "output_tokens": runs[0].output_tokens if runs else 0,
                 "tau": counters.tau,
+                "tokens_per_step": output / (output - counters.accepted) if output > counters.accepted else None,
                 "acceptance_per_pos": counters.acceptance_per_pos,
                 "drafts": counters.drafts, "draft_tokens": counters.draft_tokens, "accepted_tokens": counters.accepted,
                 "tok_per_s": speed,
@@ -433,8 +439,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def format_table(rows: list[dict[str, Any]], positions: int = 4) -> str:
-    header = ["method", "category", "reqs", "tau", f"accept@1..{positions}", "tok/s", "decode tok/s", "speedup",
-              "lossless"]
+    header = ["method", "category", "reqs", "tau", "tok/step", f"accept@1..{positions}", "tok/s", "decode tok/s",
+              "speedup", "lossless"]
     table = [header]
     notes = []
     for row in rows:
@@ -443,7 +449,8 @@ def format_table(rows: list[dict[str, Any]], positions: int = 4) -> str:
             continue
         accept = "/".join(f"{a:.2f}" for a in row["acceptance_per_pos"][:positions]) or "-"
         lossless = row.get("lossless")
-        table.append([row["method"], row["category"], str(row["requests"]), _fmt(row["tau"], ".2f"), accept,
+        table.append([row["method"], row["category"], str(row["requests"]), _fmt(row["tau"], ".2f"),
+                      _fmt(row.get("tokens_per_step"), ".2f"), accept,
                       _fmt(row["tok_per_s"], ".1f"), _fmt(row["decode_tok_per_s"], ".1f"),
                       _fmt(row["speedup"], ".2f") + ("x" if row["speedup"] is not None else ""),
                       f"{lossless['identical']}/{lossless['prompts']}" if lossless else "-"])
