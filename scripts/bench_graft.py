@@ -53,6 +53,8 @@ def spec_counters(llm) -> dict[str, float]:
 def run(model: str, spec: dict | None, prompts: list[str], max_tokens: int, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
 
+    from vllm_treespec.bench import tokens_per_forward
+
     started = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0,
               speculative_config=spec, disable_log_stats=False)
@@ -72,12 +74,11 @@ def run(model: str, spec: dict | None, prompts: list[str], max_tokens: int, dtyp
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     drafts = delta.get("num_drafts", 0.0)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return {"tokens": tokens, "tok_s": sum(map(len, tokens)) / elapsed, "seconds": elapsed, "startup_s": startup,
-            "tau": 1 + delta.get("num_accepted_tokens", 0.0) / drafts if drafts else 1.0,
+    output, accepted = sum(map(len, tokens)), delta.get("num_accepted_tokens", 0.0)
+    return {"tokens": tokens, "tok_s": output / elapsed, "seconds": elapsed, "startup_s": startup,
+            "tau": 1 + accepted / drafts if drafts else 1.0,
             "drafts": drafts, "draft_tokens": delta.get("num_draft_tokens", 0.0),
-            # every forward, drafted or not: output tokens / (output tokens - accepted drafts)
-            "tokens_per_step": (lambda out, acc: out / (out - acc))(sum(map(len, tokens)),
-                                                                    delta.get("num_accepted_tokens", 0.0))}
+            "tokens_per_step": tokens_per_forward(output, accepted)}
 
 
 def main(argv=None) -> int:

@@ -64,3 +64,9 @@ def test_top_k_then_top_p_keeps_exactly_what_vllm_keeps(case):
         assert bool((kept > k).any())  # ties beyond the k-th value were kept, as vLLM keeps them
     else:
         assert torch.equal(got, want)
+    if case == "distinct":  # the fast path itself answered: vLLM's full sort is not called
+        def no_sort(*args):
+            raise AssertionError("fell back to vLLM's full sort")
+
+        fast = topk_topp_sampler.top_k_then_top_p(logits.clone(), k.clone(), p.clone(), no_sort, True)
+        assert torch.equal(fast, want)

@@ -409,13 +409,12 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
             for run in runs:
                 counters = counters + run.counters
             speed = _median([r.tok_per_s for r in runs])
-            output = sum(r.output_tokens for r in runs)
             row = {
                 "method": result.spec.label, "category": category, "status": "ok",
                 "requests": runs[0].requests if runs else 0,
                 "output_tokens": runs[0].output_tokens if runs else 0,
                 "tau": counters.tau,
-                "tokens_per_step": output / (output - counters.accepted) if output > counters.accepted else None,
+                "tokens_per_step": tokens_per_forward(sum(r.output_tokens for r in runs), counters.accepted),
                 "acceptance_per_pos": counters.acceptance_per_pos,
                 "drafts": counters.drafts, "draft_tokens": counters.draft_tokens, "accepted_tokens": counters.accepted,
                 "tok_per_s": speed,
@@ -432,6 +431,11 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
                 row["lossless"] = {"identical": same, "prompts": total}
             rows.append(row)
     return rows
+
+
+def tokens_per_forward(output_tokens: float, accepted: float) -> float | None:
+    """Output tokens per target forward over all steps: each forward commits one token plus its accepted drafts."""
+    return output_tokens / (output_tokens - accepted) if output_tokens > accepted else None
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -9,10 +9,11 @@ With zero rows there is nothing to mask: the wrapper returns the logits unchange
 ``apply_top_k_top_p_pytorch``: with top-k *and* top-p the original sorts every row over the whole vocabulary. A tree
 step at T > 0 constrains 1 + budget rows per request (twice: vLLM's rejection sampler, then tree acceptance), and
 on CPU those sorts were 85% of the worker's time (py-spy, ``tests/test_sampling_lossless.py``). When every row has
-a top-k well below the vocabulary, the wrapper masks below the k-th largest logit (ties kept, as the original does)
-and then applies top-p to the survivors only: ``topk`` over at most ``max(k) + ties`` columns instead of a full
-sort. Same kept set as the original up to float rounding at the top-p boundary (the survivors' softmax is summed in
-another order); the original handles every other case.
+a top-k well below the vocabulary, the wrapper takes ``topk`` over ``max(k) + 1`` columns instead of a full sort,
+masks below each row's k-th largest logit and applies top-p to the survivors only. A row whose k-th value ties with
+a logit beyond those columns (the original keeps every tie) is masked on the full row and gets top-p from the
+original. Same kept set as the original up to float rounding at the top-p boundary (the survivors' softmax is summed
+in another order); the original handles every other case, including callers that forbid a CPU sync.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from vllm.v1.sample.ops import topk_topp_sampler
 
 from vllm_treespec.patches import is_patched, wrap_function
 
-# Above this many survivors per row a full sort costs about the same as topk; leave those batches to the original.
+# Above this max(k) (as a fraction of the vocabulary) topk costs about as much as a full sort: leave it to the original.
 MAX_SURVIVORS_FRACTION = 1 / 16
 
 
@@ -40,7 +41,7 @@ def apply() -> None:
 
     @wrap_function(topk_topp_sampler, "apply_top_k_top_p_pytorch", ("logits", "k", "p", "allow_cpu_sync"))
     def apply_top_k_top_p_pytorch(original, logits, k, p, allow_cpu_sync=False):
-        if k is None or p is None or logits.shape[0] == 0:
+        if k is None or p is None or logits.shape[0] == 0 or not allow_cpu_sync:  # max(k) and ties need a sync
             return original(logits, k, p, allow_cpu_sync)
         return top_k_then_top_p(logits, k, p, original, allow_cpu_sync)
 
