@@ -126,6 +126,7 @@ class _Growing:
     slot: dict[int, int]  # expanded node -> its scratch KV position
     frontier: list[int]
     frontier_r2: Any = None
+    stop_score: float = -math.inf  # stopped at a checkpoint: its best path score there (keep nodes scoring >= it)
 
 
 class EagleDrafter:
@@ -158,6 +159,10 @@ class EagleDrafter:
         self.head = None
         self.states: dict[str, _RequestState] = {}
         self._tick = 0
+        #: skip frontier nodes that cannot reach the kept tree (exact; off only to test that it is exact)
+        self.prune_frontier = True
+        #: head rows drafted past depth 1 (expansion work), for tests and profiling
+        self.expanded_rows = 0
 
     # --- loading ----------------------------------------------------------------------------------------------
     @classmethod
@@ -335,8 +340,11 @@ class EagleDrafter:
         return rows
 
     # --- steps 2 and 3: expand and rerank ---------------------------------------------------------------------
-    def draft(self, ctx: ProposeContext, rows: Sequence[int], budget: int) -> dict[int, DraftTree]:
-        """EAGLE-2 trees of at most ``budget`` nodes for ``rows`` (those ingested this step)."""
+    def draft(self, ctx: ProposeContext, rows: Sequence[int], budget: int,
+              stop_below: dict[int, float] | None = None) -> dict[int, DraftTree]:
+        """EAGLE-2 trees of at most ``budget`` nodes for ``rows`` (those ingested this step). ``stop_below``
+        (depth -> confidence) stops a request's expansion after that depth when its best path there is less likely
+        (graft's checkpoints: the levels it would prune are never drafted)."""
         import torch
 
         # The kept tree is the top `budget` nodes by score, closed under ancestors (a child scores below its parent):
@@ -360,6 +368,8 @@ class EagleDrafter:
                              scores=top_lp[j].astype(np.float64).tolist(), logps=top_lp[j].tolist(),
                              depths=[1] * top_id.shape[1], slot={}, frontier=list(range(top_id.shape[1])))
                 g.frontier_r2 = st.last_r2[None].expand(len(g.frontier), -1)
+                if _below_checkpoint(stop_below, 1, float(top_lp[j].max())):
+                    g.frontier, g.stop_score = [], float(top_lp[j].max())
                 grows[i] = g
             for depth in range(1, max_depth):
                 active = [i for i in ready if grows[i].frontier]
@@ -372,6 +382,7 @@ class EagleDrafter:
                     hid.append(g.frontier_r2)
                     pos.append(np.full(len(g.frontier), g.state.last_position + depth, np.int64))
                 hidden = torch.cat(hid)
+                self.expanded_rows += hidden.shape[0]
                 q, kk, vv = head.layer_inputs(torch.from_numpy(self._target_ids(np.concatenate(toks))),
                                               hidden, torch.from_numpy(np.concatenate(pos)))
                 outs, offset, groups = [], 0, []
@@ -413,10 +424,16 @@ class EagleDrafter:
                             g.depths.append(depth + 1)
                             new_nodes.append(len(g.tokens) - 1)
                             new_scores.append(s)
-                    if depth + 1 < max_depth:
+                    stop = _below_checkpoint(stop_below, depth + 1, max(new_scores))
+                    if stop:
+                        g.stop_score = max(new_scores)
+                    if depth + 1 < max_depth and not stop:
                         row_of = {parent: offset + j for j, parent in enumerate(g.frontier)}
                         best = np.argsort(-np.asarray(new_scores), kind="stable")[:k]
-                        g.frontier = [new_nodes[b] for b in best]
+                        # A child scores at most its parent, so a node below the budget-th best score so far has no
+                        # descendant in the kept tree: not expanding it changes no tree and saves head rows/levels.
+                        floor = _kth_best(g.scores, budget) if self.prune_frontier else -np.inf
+                        g.frontier = [new_nodes[b] for b in best if new_scores[b] >= floor]
                         g.frontier_r2 = r2[[row_of[g.parents[n]] for n in g.frontier]]
                     else:
                         g.frontier = []
@@ -429,6 +446,9 @@ class EagleDrafter:
     def _rerank(self, g: _Growing, budget: int) -> DraftTree:
         scores = np.asarray(g.scores)
         order = np.argsort(-scores, kind="stable")[: max(0, budget)]  # parents precede children (ties: creation)
+        # Stopped at a checkpoint: only nodes at least as likely as its best path, i.e. nodes a fully grown tree would
+        # rank above every node it could have added below; the rest of the budget is the caller's (graft: retrieval).
+        order = order[scores[order] >= g.stop_score]
         chosen = np.sort(order)  # creation order is topological
         new_index = np.full(len(g.tokens), -1, np.int64)
         new_index[chosen] = np.arange(chosen.size)
@@ -438,6 +458,18 @@ class EagleDrafter:
             raise AssertionError("EAGLE rerank dropped a parent of a kept node")
         tokens = self.d2t[np.asarray(g.tokens, np.int64)[chosen]]
         return DraftTree(tokens, out_parents, np.exp(np.asarray(g.logps)[chosen]).astype(np.float32))
+
+
+def _below_checkpoint(stop_below: dict[int, float] | None, depth: int, best_log_score: float) -> bool:
+    threshold = (stop_below or {}).get(depth)
+    return threshold is not None and math.exp(best_log_score) < threshold
+
+
+def _kth_best(scores: list[float], k: int) -> float:
+    """The k-th largest of ``scores`` (-inf while there are fewer than k)."""
+    if len(scores) < k:
+        return -np.inf
+    return float(np.partition(np.asarray(scores), len(scores) - k)[len(scores) - k])
 
 
 def _view_layer_index(layer_names: Sequence[str], layer: int) -> int:

@@ -10,7 +10,8 @@ verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only
    confident at the first checkpoint (ties: the order of ``sources``), read level by level, and the log says so once.
 2. **Prune.** After the draft reaches each checkpoint depth d, the best path confidence ``exp(max cumulative
    log-prob at depth d)`` is compared with that checkpoint's threshold; below it, drafting stops and the rest of the
-   budget is freed.
+   budget is freed. With a head this happens inside the head's expansion ("draft less": the pruned levels are never
+   drafted), and the stopped tree keeps only the nodes at least as likely as that best path.
 3. **Graft.** The freed budget is filled best-first by path confidence from the other sources, at the root, under
    the deepest retained draft node, or both (``graft_position``); identical paths are merged, draft nodes always stay.
    Sources: a top-k successor table (Token Recycling, arXiv 2408.08696) refreshed online from the target's
@@ -97,6 +98,9 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: the EAGLE drafter's levels below the root and children per expanded node (see eagle_tree)
     eagle_depth: int = 6
     eagle_top_k: int = 8
+    #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
+    #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
+    stop_drafting_at_checkpoints: bool = True
     #: shrink the per-request budget as the batch grows
     adaptive_budget: bool = True
     #: tokens per verify forward that cost about one decode step; None = calibration file, else a device default
@@ -280,10 +284,13 @@ class EagleModelDrafter(ModelDrafter):
 
     needs_hidden_states = True
 
-    def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
+    def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None,
+                 stop_below: dict[int, float] | None = None) -> None:
         from vllm_treespec.proposers.eagle_tree import EagleDrafter
 
         self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="bfloat16")
+        #: graft's checkpoints: a request's head stops at the depth where graft prunes it ("draft less")
+        self.stop_below = stop_below
         self.aux_hidden_state_layers = self.drafter.aux_layers
         self.needs_kv_cache = self.drafter.reads_target_kv
         self.vllm_config = vllm_config
@@ -300,7 +307,7 @@ class EagleModelDrafter(ModelDrafter):
         self.drafter.release(req_ids)
 
     def start(self, ctx: ProposeContext, rows: Sequence[int]) -> None:
-        trees = self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes)
+        trees = self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below)
         self._levels = {r: draft_tree_levels(t)[::-1] for r, t in trees.items()}
 
     def expand(self, rows: Sequence[int], max_new: Sequence[int]) -> list[DraftLevel | None]:
@@ -311,8 +318,8 @@ class EagleModelDrafter(ModelDrafter):
         return out
 
 
-def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
-                       top_k: int = 8) -> ModelDrafter | None:
+def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6, top_k: int = 8,
+                       stop_below: dict[int, float] | None = None) -> ModelDrafter | None:
     """The model drafter for ``eagle_checkpoint`` ("auto" / "kv_aware": the trained default EAGLE-3 / hybrid
     KV-aware head if there is one); None for retrieval-only trees."""
     if checkpoint in (None, "none"):
@@ -324,7 +331,7 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
         if not (path / "config.json").is_file():
             return None
         checkpoint = str(path)
-    return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)
+    return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config, stop_below=stop_below)
 
 
 # --- draft growth and pruning ---------------------------------------------------------------------------------------
@@ -606,7 +613,8 @@ class GraftProposer(TreeProposer):
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)
         self.drafter = drafter if drafter is not None else load_model_drafter(
-            opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k)
+            opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k,
+            stop_below=self.checkpoints if opts.stop_drafting_at_checkpoints else None)
         if self.drafter is None:
             logger.warning("graft: no EAGLE head (eagle_checkpoint=%r), so no model drafter: drafting retrieval-only "
                            "trees (draft = the most confident of %s, pruned at depths %s, grafted from the others)",

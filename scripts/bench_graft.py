@@ -5,7 +5,8 @@ for every prompt one at a time (batch 1) after a short warm-up. tau = 1 + accept
 spec-decode counters (steps that proposed nothing are not drafts, so tok/s is the end-to-end figure); every output is
 compared with the no-speculation output. Configurations: no speculation; vLLM ``ngram`` (k=5, prompt lookup 2..4);
 vLLM ``eagle3`` (k=5) with the trained head; ``suffix_tree``; ``ngram_tree``; ``eagle_tree``; ``graft`` (on the EAGLE
-head); the ablations graft without pruning / without grafting; and graft without the head (retrieval-only). The
+head); the ablations graft without pruning / without grafting / with the head drafting its full tree before pruning;
+and graft without the head (retrieval-only). The
 EAGLE rows need a head (``--head``, default: the one ``vllm-treespec train-eagle`` wrote to the cache); without one
 they are skipped. ShareGPT prompts come from the benchmark prefix that EAGLE training never sees.
 
@@ -41,7 +42,8 @@ def configs(budget: int, graft_options: dict, head: str | None) -> list[tuple[st
         ("graft w/o grafting", {**graft, "graft": False}),
     ]
     if head:
-        out.append(("graft retrieval-only", {**graft, "eagle_checkpoint": "none"}))
+        out += [("graft, head drafts in full", {**graft, "stop_drafting_at_checkpoints": False}),
+                ("graft retrieval-only", {**graft, "eagle_checkpoint": "none"})]
     return out
 
 

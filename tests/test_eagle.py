@@ -186,3 +186,53 @@ def test_release_and_cache_bound(tmp_path):
     assert len(drafter.states) == 3 and "req4" in drafter.states and "req0" not in drafter.states
     drafter.release({"req4"})
     assert "req4" not in drafter.states
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_frontier_pruning_keeps_the_same_tree_and_drafts_fewer_rows(tmp_path, seed):
+    """Nodes scoring below the budget-th best node so far are not expanded (their descendants score lower still):
+    the trees must be identical to growing every level in full, with fewer head rows drafted."""
+    drafter, ctx = _ingested_drafter(tmp_path, seed=seed, depth=6, top_k=8)
+    with torch.no_grad():
+        drafter.head.lm_head.weight.mul_(4.0)  # peaky drafts, as a trained head's: the case pruning is for
+    saved = 0
+    for budget in (4, 10, 16, 40):
+        trees, rows = [], []
+        for prune in (False, True):
+            drafter.prune_frontier = prune
+            drafter.expanded_rows = 0
+            trees.append(drafter.draft(ctx, [0], budget=budget)[0])
+            rows.append(drafter.expanded_rows)
+        full, pruned = trees
+        assert pruned.token_ids.tolist() == full.token_ids.tolist(), budget
+        assert pruned.parents.tolist() == full.parents.tolist(), budget
+        # fewer rows per head call may round differently (GEMM blocking), hence approx
+        assert pruned.node_probs == pytest.approx(full.node_probs, rel=1e-5), budget
+        assert rows[1] <= rows[0]
+        saved += rows[0] - rows[1]
+    assert saved > 0
+
+
+def test_checkpoint_stop_ends_expansion_where_the_best_path_is_unlikely(tmp_path):
+    """graft's checkpoints reach the drafter: below the threshold at depth d the request's tree stops at depth d (no
+    head rows drafted past it); a threshold no path falls below changes nothing."""
+    drafter, ctx = _ingested_drafter(tmp_path, seed=5, depth=6, top_k=4)
+    with torch.no_grad():
+        drafter.head.lm_head.weight.mul_(4.0)  # confident enough that the full tree goes deeper than 2
+    drafter.expanded_rows = 0
+    full = drafter.draft(ctx, [0], budget=16)[0]
+    full_rows, drafter.expanded_rows = drafter.expanded_rows, 0
+    assert full.depths().max() > 2
+    same = drafter.draft(ctx, [0], budget=16, stop_below={2: 0.0, 4: 0.0})[0]
+    assert same.token_ids.tolist() == full.token_ids.tolist() and same.parents.tolist() == full.parents.tolist()
+    assert drafter.expanded_rows == full_rows
+    drafter.expanded_rows = 0
+    stopped = drafter.draft(ctx, [0], budget=16, stop_below={2: 1.0})[0]
+    assert drafter.expanded_rows == 4  # one level of expansion (depth 2) instead of five
+    # kept: the best depth-2 path and every node at least as likely; the rest of the budget is left to the caller
+    scores = _path_log_scores(stopped)
+    best_depth2 = scores[stopped.depths() == 2].max()
+    assert stopped.depths().max() == 2 and (stopped.depths() == 2).sum() == 1
+    assert np.all(scores >= best_depth2 - 1e-6) and stopped.num_nodes < 16
+    root_only = drafter.draft(ctx, [0], budget=16, stop_below={1: 1.0})[0]
+    assert root_only.num_nodes == 1 and root_only.token_ids[0] == full.token_ids[np.argmax(_path_log_scores(full))]

@@ -408,3 +408,16 @@ def test_draft_tree_levels_renumber_parents_first():
     assert [lv.token_ids.tolist() for lv in levels] == [[5, 6], [7, 8], [9]]
     assert [lv.parents.tolist() for lv in levels] == [[-1, -1], [0, 1], [2]]
     assert np.allclose(np.exp(np.concatenate([lv.log_probs for lv in levels])), [0.5, 0.25, 1.0, 0.5, 0.125])
+
+
+def test_checkpoints_reach_the_eagle_head_so_pruned_levels_are_never_drafted(tmp_path):
+    """With a head, graft's checkpoints stop the head's expansion (not only the tree after drafting); the ablation
+    option and prune=False hand it no checkpoints."""
+    from test_eagle import small_head
+
+    _, head = small_head(tmp_path)
+    opts = dict(eagle_checkpoint=head, checkpoints=(1, 3), thresholds=(0.0, 0.5), budget=16)
+    assert GraftProposer(None, GraftOptions(**opts), vocab_size=VOCAB).drafter.stop_below == {1: 0.0, 3: 0.5}
+    full = GraftProposer(None, GraftOptions(**opts, stop_drafting_at_checkpoints=False), vocab_size=VOCAB)
+    assert full.drafter.stop_below is None
+    assert GraftProposer(None, GraftOptions(**opts, prune=False), vocab_size=VOCAB).drafter.stop_below == {}
