@@ -635,7 +635,10 @@ class GraftProposer(TreeProposer):
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
         budget = self.budget(ctx)
-        if self.drafter is not None:
+        if self.drafter is not None and budget > 0:
+            # At a zero budget (high load) nothing is drafted, so the head does not read this step's rows either: it
+            # cost 12-14% of throughput at 4-16 requests. Rows it skips stay masked out of its KV (drafts get
+            # worse after a busy spell; verification keeps them exact).
             self.drafter.ingest(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         trees: list[DraftTree | None] = [None] * ctx.num_reqs

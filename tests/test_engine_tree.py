@@ -247,6 +247,23 @@ def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_pa
         assert counters["num_accepted_tokens"] > 0, counters
 
 
+def test_graft_on_head_under_changing_load_greedy_identical(base, model, prompts, tmp_path):
+    """Default CPU budget table: while 4 requests run nothing is drafted and the head skips their rows; the request
+    that outlives the others is then drafted for from a head KV with gaps. Exact, and drafting resumes."""
+    head, _ = _draft_head(model, tmp_path / "head")
+    batch = prompts[:4]
+    params = [greedy(max_tokens=6)] * 3 + [greedy(max_tokens=3 * MAX_TOKENS)]
+    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
+                           "eagle_depth": 4, "eagle_top_k": 4})
+    try:
+        got = token_ids(llm.generate(batch, params, use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(batch, params, use_tqdm=False))
+    assert counters["num_drafts"] > 0, counters
+
+
 def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
     head, trained = _draft_head(model, tmp_path / "head")
     llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,

@@ -187,6 +187,22 @@ def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
     assert t0.num_nodes <= 10 and t1.num_nodes <= 10
 
 
+def test_zero_budget_skips_the_model_drafter_entirely():
+    """Under load the budget table gives 0 nodes: no drafting, and the head does not even ingest the step."""
+    class CountingDrafter(ScriptedDrafter):
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    drafter = CountingDrafter({i: [0.9] for i in range(4)})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+    p.budget_curve = BudgetCurve(8, table={1: 8, 4: 0})
+    assert p.propose_trees(make_ctx([[1, 2, 3]] * 4)) == [None] * 4
+    assert drafter.ingested == 0 and drafter.calls == []
+    assert p.propose_trees(make_ctx([[1, 2, 3]]))[0] is not None and drafter.ingested == 1
+
+
 def test_eagle_checkpoint_that_is_not_a_head_is_refused(tmp_path):
     ckpt = tmp_path / "eagle"
     ckpt.mkdir()
