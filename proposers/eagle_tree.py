@@ -368,8 +368,9 @@ class EagleDrafter:
                              scores=top_lp[j].astype(np.float64).tolist(), logps=top_lp[j].tolist(),
                              depths=[1] * top_id.shape[1], slot={}, frontier=list(range(top_id.shape[1])))
                 g.frontier_r2 = st.last_r2[None].expand(len(g.frontier), -1)
-                if _below_checkpoint(stop_below, 1, float(top_lp[j].max())):
-                    g.frontier, g.stop_score = [], float(top_lp[j].max())
+                best_score = float(top_lp[j].max())
+                if below_checkpoint(stop_below, 1, best_score):
+                    g.frontier, g.stop_score = [], best_score
                 grows[i] = g
             for depth in range(1, max_depth):
                 active = [i for i in ready if grows[i].frontier]
@@ -424,9 +425,10 @@ class EagleDrafter:
                             g.depths.append(depth + 1)
                             new_nodes.append(len(g.tokens) - 1)
                             new_scores.append(s)
-                    stop = _below_checkpoint(stop_below, depth + 1, max(new_scores))
+                    best_score = max(new_scores)
+                    stop = below_checkpoint(stop_below, depth + 1, best_score)
                     if stop:
-                        g.stop_score = max(new_scores)
+                        g.stop_score = best_score
                     if depth + 1 < max_depth and not stop:
                         row_of = {parent: offset + j for j, parent in enumerate(g.frontier)}
                         best = np.argsort(-np.asarray(new_scores), kind="stable")[:k]
@@ -460,8 +462,10 @@ class EagleDrafter:
         return DraftTree(tokens, out_parents, np.exp(np.asarray(g.logps)[chosen]).astype(np.float32))
 
 
-def _below_checkpoint(stop_below: dict[int, float] | None, depth: int, best_log_score: float) -> bool:
-    threshold = (stop_below or {}).get(depth)
+def below_checkpoint(checkpoints: dict[int, float] | None, depth: int, best_log_score: float) -> bool:
+    """Whether the best path at ``depth`` (cumulative log-prob) falls below that depth's checkpoint threshold (graft's
+    pruning rule; the drafter stops where graft would prune)."""
+    threshold = (checkpoints or {}).get(depth)
     return threshold is not None and math.exp(best_log_score) < threshold
 
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
 from vllm_treespec.proposers._retrieval_base import check_datastore_option
+from vllm_treespec.proposers.eagle_tree import below_checkpoint
 from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore
 
 logger = logging.getLogger("vllm.treespec")
@@ -371,8 +372,7 @@ class DraftGrowth:
         self.depths += [self.depth] * keep.size
         if keep.size < n or self.remaining <= 0:
             return False
-        threshold = self.checkpoints.get(self.depth)
-        if threshold is not None and math.exp(float(scores.max())) < threshold:
+        if below_checkpoint(self.checkpoints, self.depth, float(scores.max())):
             self.pruned_at = self.depth
             return False
         return True

@@ -129,12 +129,13 @@ def main(argv=None) -> int:
     print(f"\n{len(prompts)} prompts ({args.mt_bench} MT-Bench, {args.human_eval} HumanEval, {args.sharegpt} ShareGPT), "
           f"batch 1, head {head}, "
           f"max_tokens {args.max_tokens}, tree budget {args.budget}, {args.dtype}")
-    print(f"{'method':<20} {'tau':>6} {'tok/step':>8} {'tok/s':>7} {'x no-spec':>10} {'draft tok/draft':>15} "
+    print(f"{'method':<28} {'tau':>6} {'tok/step':>8} {'tok/s':>7} {'x no-spec':>10} {'draft tok/draft':>15} "
           f"{'identical':>10}")
     for name, r in results.items():
         same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
         per_step = r["draft_tokens"] / r["drafts"] if r["drafts"] else 0.0
-        print(f"{name:<20} {r['tau']:>6.2f} {r['tokens_per_step']:>8.2f} {r['tok_s']:>7.2f} {r['tok_s'] / base['tok_s']:>9.2f}x "
+        print(f"{name:<28} {r['tau']:>6.2f} {r['tokens_per_step']:>8.2f} {r['tok_s']:>7.2f} "
+              f"{r['tok_s'] / base['tok_s']:>9.2f}x "
               f"{per_step:>15.1f} {same:>6}/{len(prompts)}")
     if args.out:
         with open(args.out, "w") as f:
