@@ -27,7 +27,7 @@ from test_bad_config import BAD_CONFIGS  # noqa: E402
 from test_server_reliability import BAD_REQUESTS  # noqa: E402
 
 from vllm_treespec import soak  # noqa: E402
-from vllm_treespec.serving import ServerProcess, ServerStartError, request  # noqa: E402
+from vllm_treespec.serving import ServerProcess, ServerStartError, client_session, request  # noqa: E402
 
 
 def check_configs(tmp: Path) -> int:
@@ -61,8 +61,6 @@ def check_configs(tmp: Path) -> int:
 
 
 def check_requests(rounds: int) -> int:
-    import aiohttp
-
     from vllm_treespec.models import ensure_smollm2
 
     good = {"model": soak.SERVED_NAME, "prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0}
@@ -79,7 +77,7 @@ def check_requests(rounds: int) -> int:
             async with gate:
                 return kind, body, await request(session, url + path, body, timeout_s=120)
 
-        async with aiohttp.ClientSession() as session:
+        async with client_session(8) as session:
             return await asyncio.gather(*(one(session, *job) for job in jobs))
 
     with ServerProcess(str(ensure_smollm2()), {"method": "suffix_tree", "num_speculative_tokens": 16},

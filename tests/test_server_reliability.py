@@ -14,7 +14,7 @@ import os
 import pytest
 
 from vllm_treespec import soak
-from vllm_treespec.serving import ServerProcess, ServerStartError, request
+from vllm_treespec.serving import ServerProcess, ServerStartError, client_session, request
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -95,11 +95,9 @@ def test_soak_memory_stays_bounded(soak_run):
 
 @pytest.mark.parametrize("payload,endpoint", BAD_REQUESTS, ids=lambda v: v if isinstance(v, str) else json.dumps(v)[:50])
 def test_bad_request_gets_4xx_and_server_survives(spec_server, soak_run, payload, endpoint):
-    import aiohttp
-
     async def go():
         body = {"model": soak.SERVED_NAME, **payload}
-        async with aiohttp.ClientSession() as session:
+        async with client_session() as session:
             bad = await request(session, f"{spec_server.url}/v1/{endpoint}", body, timeout_s=60)
             good = await request(session, f"{spec_server.url}/v1/completions",
                                  {"model": soak.SERVED_NAME, "prompt": "1, 2, 3,", "max_tokens": 4,

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 from vllm_treespec.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.bench import load_questions
 from vllm_treespec.bench import parse_methods, unavailable_reason
-from vllm_treespec.serving import Reply, RssSampler, ServerProcess, ServerStartError, percentiles, request
+from vllm_treespec.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
+from vllm_treespec.serving import request
 
 SERVED_NAME = "bench"
 
@@ -36,8 +37,6 @@ def server_args(args: argparse.Namespace) -> list[str]:
 async def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: int,
                     temperature: float) -> tuple[list[Reply], float]:
     """Send every prompt once, at most ``concurrency`` in flight; returns the replies and the wall time."""
-    import aiohttp
-
     gate = asyncio.Semaphore(concurrency)
 
     async def one(session, prompt: str) -> Reply:
@@ -47,8 +46,7 @@ async def run_level(url: str, prompts: list[str], concurrency: int, max_tokens: 
                        "stream_options": {"include_usage": True}}
             return await request(session, f"{url}/v1/chat/completions", payload)
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with client_session(concurrency) as session:
         started = time.perf_counter()
         replies = await asyncio.gather(*(one(session, p) for p in prompts))
         return list(replies), time.perf_counter() - started

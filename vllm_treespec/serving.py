@@ -236,6 +236,18 @@ def _choice_delta(choice: dict) -> tuple[str, list[int]]:
     return text, list(choice.get("token_ids") or [])
 
 
+def client_session(concurrency: int = 0):
+    """An aiohttp session for driving a server: one TCP connection per request (``force_close``).
+
+    With keep-alive, a pooled connection the server closes on its idle timeout (uvicorn: 5 s) can be reused at the
+    same instant and the request fails with ``ServerDisconnectedError`` before the server ever read it (a known
+    HTTP/1.1 race, aiohttp#3609): a soak would count it as lost. A fresh connection per request leaves "lost"
+    meaning the server dropped it. Connection setup on 127.0.0.1 costs well under a millisecond."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, force_close=True))
+
+
 async def request(session, url: str, payload: dict, abort_after_chunks: int | None = None,
                   timeout_s: float = 300.0) -> Reply:
     """POST ``payload`` to ``url``; stream it when ``payload["stream"]``. With ``abort_after_chunks`` the client

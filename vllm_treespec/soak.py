@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from vllm_treespec.serving import Reply, RssSampler, ServerProcess, request
+from vllm_treespec.serving import Reply, RssSampler, ServerProcess, client_session, request
 
 SERVED_NAME = "soak"
 
@@ -183,8 +183,6 @@ def make_requests(n: int, seed: int = 0, exclude: Sequence[str] = ()) -> list[So
 async def send_all(url: str, requests: Sequence[SoakRequest], concurrency: int,
                    timeout_s: float = 300.0) -> list[Reply]:
     """Send every request once with at most ``concurrency`` in flight."""
-    import aiohttp
-
     gate = asyncio.Semaphore(concurrency)
 
     async def one(session, req: SoakRequest) -> Reply:
@@ -192,7 +190,7 @@ async def send_all(url: str, requests: Sequence[SoakRequest], concurrency: int,
             return await request(session, url + req.endpoint, req.payload, abort_after_chunks=req.abort_after,
                                  timeout_s=timeout_s)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+    async with client_session(concurrency) as session:
         return list(await asyncio.gather(*(one(session, r) for r in requests)))
 
 
