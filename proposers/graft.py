@@ -58,6 +58,11 @@ DEFAULT_KNEE_TOKENS = {"cpu": 16, "other": 512}
 #: step), so a hinge at 16 tokens gave batches of 4 three nodes each and lost 15% to no speculation
 #: (`vllm-treespec bench serve`, README). Full budget alone, 3 nodes each for two requests, none from four.
 DEFAULT_CPU_BUDGET_TABLE = {1: 128, 2: 3, 4: 0}
+#: path confidence below which a node is not verified, by device. On 2 CPU cores a verified token costs ~2.4 ms of a
+#: ~50 ms step, worth it only for nodes accepted about 1 time in 20 (scripts/bench_graft.py --confidence-floors:
+#: graft on the head 24.9 -> 27.0 tok/s at 0.05, 26.2 at 0.15; retrieval-only 25.8 / 26.0 / 25.8). GPUs verify
+#: hundreds of tokens at the cost of one.
+DEFAULT_MIN_NODE_CONFIDENCE = {"cpu": 0.05, "other": 0.0}
 #: successor-table vocabulary when the model's is unknown (no vllm_config); tokens beyond it are not learned
 FALLBACK_VOCAB_SIZE = 1 << 17
 #: confidence scale of successors seeded from committed bigrams (they are counts, not target distributions)
@@ -102,6 +107,10 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
     #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
     stop_drafting_at_checkpoints: bool = True
+    #: nodes whose path confidence (estimated chance the target accepts the whole path) is below this are not
+    #: verified, even within the budget: each verified token costs forward time, which on a compute-bound device
+    #: only a likely node pays back. 0 = fill the budget; None = the device default (CPU 0.05, else 0)
+    min_node_confidence: float | None = None
     #: shrink the per-request budget as the batch grows
     adaptive_budget: bool = True
     #: tokens per verify forward that cost about one decode step; None = calibration file, else a device default
@@ -122,6 +131,8 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"graft option {name!r} must be >= 1, got {getattr(self, name)}")
         if self.min_budget < 0:
             raise ValueError(f"graft option 'min_budget' must be >= 0, got {self.min_budget}")
+        if self.min_node_confidence is not None and not 0.0 <= self.min_node_confidence < 1.0:
+            raise ValueError(f"graft option 'min_node_confidence' must be in [0, 1), got {self.min_node_confidence}")
         if self.max_tokens_per_request < 2:
             raise ValueError(f"graft option 'max_tokens_per_request' must be >= 2, got {self.max_tokens_per_request}")
         if self.ngram_max_n < self.ngram_min_n:
@@ -424,8 +435,10 @@ def first_checkpoint_confidence(tree: RetrievedTree, depth: int) -> float:
 
 
 # --- merging the draft and the grafts -------------------------------------------------------------------------------
-def assemble(draft: DraftGrowth, grafts: Iterable[tuple[int, RetrievedTree]], budget: int) -> DraftTree:
-    """The draft nodes plus the best grafted nodes up to ``budget``, with identical paths merged.
+def assemble(draft: DraftGrowth, grafts: Iterable[tuple[int, RetrievedTree]], budget: int,
+             min_score: float = 0.0) -> DraftTree:
+    """The draft nodes plus the best grafted nodes up to ``budget``, with identical paths merged, less the nodes
+    scoring below ``min_score``.
 
     ``grafts`` are (draft node or -1 for the root, tree continuing that node). A node's score is its path confidence
     (the highest any source gives the path); the result is ordered by score, so every prefix is the best subtree.
@@ -462,6 +475,8 @@ def assemble(draft: DraftGrowth, grafts: Iterable[tuple[int, RetrievedTree]], bu
     # scores never increase along a path and ties keep creation order, so this order has parents first
     grafted = grafted[np.lexsort((grafted, -score[grafted]))][: max(0, budget - num_draft)]
     chosen = np.concatenate([np.arange(num_draft), grafted])
+    # a child never scores above its parent, so the threshold keeps the tree closed under parents
+    chosen = chosen[score[chosen] >= min_score]
     chosen = chosen[np.lexsort((chosen, -score[chosen]))]
     new_index = np.full(len(tokens), -1, np.int64)
     new_index[chosen] = np.arange(chosen.size)
@@ -610,6 +625,8 @@ class GraftProposer(TreeProposer):
             elif device == "cpu":
                 table = DEFAULT_CPU_BUDGET_TABLE
         self.max_budget = opts.budget or self.max_nodes or 0
+        self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
+                                    DEFAULT_MIN_NODE_CONFIDENCE["cpu" if device == "cpu" else "other"])
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)
         self.drafter = drafter if drafter is not None else load_model_drafter(
@@ -686,7 +703,7 @@ class GraftProposer(TreeProposer):
                 path = draft.path_tokens(deepest)
                 grafts += [(deepest, t) for t in
                            self.sources.after_path(req_id, context, path, draft.remaining, graft_names)]
-        tree = assemble(draft, grafts, budget)
+        tree = assemble(draft, grafts, budget, self.min_node_confidence)
         self.stats.trees += 1
         self.stats.draft_nodes += len(draft)
         self.stats.grafted_nodes += tree.num_nodes - len(draft)

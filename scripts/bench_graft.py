@@ -22,7 +22,8 @@ import json
 import time
 
 
-def configs(budget: int, graft_options: dict, head: str | None) -> list[tuple[str, dict | None]]:
+def configs(budget: int, graft_options: dict, head: str | None,
+            floors: tuple[float, ...] = ()) -> list[tuple[str, dict | None]]:
     graft = {"method": "graft", "num_speculative_tokens": budget, **graft_options}
     out = [
         ("no speculation", None),
@@ -44,6 +45,11 @@ def configs(budget: int, graft_options: dict, head: str | None) -> list[tuple[st
     if head:
         out += [("graft, head drafts in full", {**graft, "stop_drafting_at_checkpoints": False}),
                 ("graft retrieval-only", {**graft, "eagle_checkpoint": "none"})]
+    for floor in floors:  # min_node_confidence: unlikely nodes are not verified
+        out.append((f"graft, floor {floor:g}", {**graft, "min_node_confidence": floor}))
+        if head:
+            out.append((f"graft retrieval-only, floor {floor:g}",
+                        {**graft, "eagle_checkpoint": "none", "min_node_confidence": floor}))
     return out
 
 
@@ -94,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=int, default=32, help="num_speculative_tokens of the tree methods")
     parser.add_argument("--graft-options", default="{}", help="extra graft options as JSON")
     parser.add_argument("--only", nargs="*", help="run only these configuration names (no speculation always runs)")
+    parser.add_argument("--confidence-floors", default="", help="comma-separated graft min_node_confidence values: "
+                        "adds graft (and graft retrieval-only) rows at each")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -118,7 +126,8 @@ def main(argv=None) -> int:
 
         head = str(default_head_path()) if (default_head_path() / "config.json").is_file() else None
     results: dict[str, dict] = {}
-    for name, spec in configs(args.budget, json.loads(args.graft_options), head):
+    floors = tuple(float(v) for v in args.confidence_floors.split(",") if v.strip())
+    for name, spec in configs(args.budget, json.loads(args.graft_options), head, floors):
         if args.only and spec is not None and name not in args.only:
             continue
         results[name] = run(model, spec, prompts, args.max_tokens, args.dtype)
@@ -129,12 +138,12 @@ def main(argv=None) -> int:
     print(f"\n{len(prompts)} prompts ({args.mt_bench} MT-Bench, {args.human_eval} HumanEval, {args.sharegpt} ShareGPT), "
           f"batch 1, head {head}, "
           f"max_tokens {args.max_tokens}, tree budget {args.budget}, {args.dtype}")
-    print(f"{'method':<28} {'tau':>6} {'tok/step':>8} {'tok/s':>7} {'x no-spec':>10} {'draft tok/draft':>15} "
+    print(f"{'method':<36} {'tau':>6} {'tok/step':>8} {'tok/s':>7} {'x no-spec':>10} {'draft tok/draft':>15} "
           f"{'identical':>10}")
     for name, r in results.items():
         same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
         per_step = r["draft_tokens"] / r["drafts"] if r["drafts"] else 0.0
-        print(f"{name:<28} {r['tau']:>6.2f} {r['tokens_per_step']:>8.2f} {r['tok_s']:>7.2f} "
+        print(f"{name:<36} {r['tau']:>6.2f} {r['tokens_per_step']:>8.2f} {r['tok_s']:>7.2f} "
               f"{r['tok_s'] / base['tok_s']:>9.2f}x "
               f"{per_step:>15.1f} {same:>6}/{len(prompts)}")
     if args.out:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -33,7 +34,27 @@ def make_ctx(contexts, sampled=None, req_ids=None, max_nodes=16) -> ProposeConte
 
 
 def proposer(**options) -> GraftProposer:
+    # these tests check tree shapes built from small made-up probabilities: no confidence floor unless asked
+    options.setdefault("min_node_confidence", 0.0)
     return GraftProposer(None, GraftOptions(**options), vocab_size=VOCAB)
+
+
+def test_confidence_floor_defaults_by_device_and_trims_unlikely_nodes():
+    assert GraftProposer(None, GraftOptions(), vocab_size=VOCAB).min_node_confidence == 0.05  # no config: CPU
+    gpu = SimpleNamespace(device_config=SimpleNamespace(device_type="cuda"))
+    assert GraftProposer(gpu, GraftOptions(), vocab_size=VOCAB).min_node_confidence == 0.0
+    with pytest.raises(ValueError, match="min_node_confidence"):
+        GraftOptions(min_node_confidence=1.0)
+    # successor chain 1 -> 10 -> 11 -> ... with probability 0.5 each: path confidence halves per level
+    chain = [1] + list(range(10, 20))
+    learn = (np.array(chain[:-1]), np.array(chain[1:])[:, None], np.full((len(chain) - 1, 1), 0.5))
+    trees = {}
+    for floor in (0.0, 0.1):
+        p = proposer(budget=8, sources=("successor",), prune=False, adaptive_budget=False, min_node_confidence=floor)
+        p.learn_successors(*learn)
+        trees[floor] = p.propose_trees(make_ctx([[5, 1]]))[0]
+    assert trees[0.0].token_ids.tolist() == chain[1:9]
+    assert trees[0.1].token_ids.tolist() == chain[1:4]  # 0.5, 0.25, 0.125; 0.0625 < 0.1
 
 
 def edges(tree: DraftTree) -> list[tuple[int, int]]:
@@ -101,6 +122,11 @@ def test_assemble_merges_identical_paths_and_keeps_the_draft():
     # a tight budget drops grafted nodes, never the draft
     small = assemble(draft, [(-1, graft)], budget=3)
     assert sorted(small.token_ids.tolist()) == [10, 11, 12]
+    # a confidence floor drops unlikely nodes of every source (11: 0.3, 14: 0.05) and keeps the tree closed
+    sure = assemble(draft, [(-1, graft)], budget=5, min_score=0.5)
+    paths = {tuple(sure.token_ids[sure.path_to(i)].tolist()) for i in range(sure.num_nodes)}
+    assert paths == {(10,), (10, 12), (10, 12, 13)}
+    assert assemble(draft, [(-1, graft)], budget=5, min_score=0.95).num_nodes == 0
 
 
 def test_grafting_at_the_deepest_draft_node():
@@ -176,7 +202,8 @@ class ScriptedDrafter(ModelDrafter):
 def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
     drafter = ScriptedDrafter({0: [0.9, 0.9, 0.9, 0.9], 1: [0.9, 0.1, 0.9, 0.9]})
     p = GraftProposer(None, GraftOptions(budget=10, checkpoints=(1, 2), thresholds=(0.5, 0.5), adaptive_budget=False,
-                                         sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+                                         sources=("suffix",), min_node_confidence=0.0), drafter=drafter,
+                      vocab_size=VOCAB)
     ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
     t0, t1 = p.propose_trees(ctx)
     assert drafter.calls[0] == [0, 1] and drafter.calls[2] == [0]  # row 1 stopped after its second level
