@@ -233,9 +233,10 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
 def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_path):
     """graft with a KV-aware head as its model drafter (the KV-only mode: no hidden states reach the head), exact."""
     head, trained = _draft_head(model, tmp_path / "head", "kv")
-    # adaptive budget off: on CPU the default budget table drafts nothing at batch >= 4, and this batch is 12
+    # adaptive budget off: on CPU the default budget table drafts nothing at batch >= 4, and this batch is 12; no
+    # confidence floor: the full budget verified, the widest trees the head and retrieval make
     llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
-                           "eagle_depth": 5, "eagle_top_k": 4, "adaptive_budget": False})
+                           "eagle_depth": 5, "eagle_top_k": 4, "adaptive_budget": False, "min_node_confidence": 0})
     try:
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
