@@ -616,8 +616,9 @@ class GraftProposer(TreeProposer):
                                     expected_tokenizer=getattr(model_config, "tokenizer", None)).automaton
         self.sources = RetrievalSources(opts, vocab_size, corpus)
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        device_kind = "cpu" if device == "cpu" else "other"  # key of the per-device defaults
         knee = opts.knee_tokens or (calibration.knee_tokens if calibration and calibration.knee_tokens else
-                                    DEFAULT_KNEE_TOKENS["cpu" if device == "cpu" else "other"])
+                                    DEFAULT_KNEE_TOKENS[device_kind])
         table = None
         if opts.knee_tokens is None:
             if calibration is not None:
@@ -626,7 +627,7 @@ class GraftProposer(TreeProposer):
                 table = DEFAULT_CPU_BUDGET_TABLE
         self.max_budget = opts.budget or self.max_nodes or 0
         self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
-                                    DEFAULT_MIN_NODE_CONFIDENCE["cpu" if device == "cpu" else "other"])
+                                    DEFAULT_MIN_NODE_CONFIDENCE[device_kind])
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)
         self.drafter = drafter if drafter is not None else load_model_drafter(

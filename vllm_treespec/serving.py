@@ -242,7 +242,7 @@ def client_session(concurrency: int = 0):
     With keep-alive, a pooled connection the server closes on its idle timeout (uvicorn: 5 s) can be reused at the
     same instant and the request fails with ``ServerDisconnectedError`` before the server ever read it (a known
     HTTP/1.1 race, aiohttp#3609): a soak would count it as lost. A fresh connection per request leaves "lost"
-    meaning the server dropped it. Connection setup on 127.0.0.1 costs well under a millisecond."""
+    meaning the server dropped it. A connect + close on 127.0.0.1 measured 0.17 ms here (2 CPU cores)."""
     import aiohttp
 
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency, force_close=True))
