@@ -17,6 +17,14 @@ verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only
    Sources: a top-k successor table (Token Recycling, arXiv 2408.08696) refreshed online from the target's
    distribution at every verified row, accepted or rejected, and seeded from committed bigrams; suffix automata over
    the request's prompt + output, finished outputs and an optional corpus datastore; an n-gram index.
+4. **Calibrate.** Path confidences multiply each source's step probabilities passed through
+   :class:`AcceptanceCalibration`: the rate at which the target accepted that source's nodes of that raw confidence,
+   learned online from every verified tree (``calibrate_acceptance``). Nodes below ``min_node_confidence`` are left out.
+   Without a head, the draft source is chosen on calibrated confidences too; the pruning checkpoints compare the raw
+   numbers, which their thresholds were chosen on.
+
+On CPU the model drafter drafts only while the batch has at most ``model_draft_max_batch`` requests (default 1);
+larger batches get retrieval-only trees.
 
 Budgets: ``budget`` nodes per request at batch 1 (default ``num_speculative_tokens``), fewer as the batch grows —
 from the calibration file's measured table, else ``knee_tokens / batch - 1`` (verification costs about one decode
@@ -63,6 +71,16 @@ DEFAULT_CPU_BUDGET_TABLE = {1: 128, 2: 3, 4: 0}
 #: graft on the head 24.9 -> 27.0 tok/s at 0.05, 26.2 at 0.15; retrieval-only 25.8 / 26.0 / 25.8). GPUs verify
 #: hundreds of tokens at the cost of one.
 DEFAULT_MIN_NODE_CONFIDENCE = {"cpu": 0.05, "other": 0.0}
+#: largest batch for which the model drafter (EAGLE head) drafts, by device; larger batches get retrieval-only trees.
+#: On 2 CPU cores the head's levels cost more than they win once requests share the step (`bench serve`, README: at
+#: concurrency 2 graft on the head 36.5 tok/s = 1.02x, retrieval-only 45.5 = 1.43x); GPUs draft for any batch.
+DEFAULT_MODEL_DRAFT_MAX_BATCH = {"cpu": 1, "other": 1 << 30}
+#: raw-confidence bins of the online acceptance calibration (uniform over a node's probability given its parent)
+ACCEPTANCE_BINS = 10
+#: pseudo-trials at the raw confidence before a bin has data: early estimates stay near the source's own number
+ACCEPTANCE_PRIOR_TRIALS = 8.0
+#: the source name under which the model drafter's nodes are calibrated
+MODEL_SOURCE = "model"
 #: successor-table vocabulary when the model's is unknown (no vllm_config); tokens beyond it are not learned
 FALLBACK_VOCAB_SIZE = 1 << 17
 #: confidence scale of successors seeded from committed bigrams (they are counts, not target distributions)
@@ -107,10 +125,17 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
     #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
     stop_drafting_at_checkpoints: bool = True
+    #: the model drafter drafts (and reads the step's rows) only while the batch has at most this many requests;
+    #: larger batches get retrieval-only trees. None = the device default (CPU 1, else no limit), or no limit when
+    #: adaptive_budget is off (no load adaptation at all)
+    model_draft_max_batch: int | None = None
     #: nodes whose path confidence (estimated chance the target accepts the whole path) is below this are not
     #: verified, even within the budget: each verified token costs forward time, which on a compute-bound device
     #: only a likely node pays back. 0 = fill the budget; None = the device default (CPU 0.05, else 0)
     min_node_confidence: float | None = None
+    #: rank and floor nodes by their observed acceptance rate (per source and raw-confidence bin, learned online from
+    #: every verification) instead of the sources' raw confidences, which are not comparable across sources
+    calibrate_acceptance: bool = True
     #: shrink the per-request budget as the batch grows
     adaptive_budget: bool = True
     #: tokens per verify forward that cost about one decode step; None = calibration file, else a device default
@@ -125,8 +150,8 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         positive = ("successor_k", "max_depth", "ngram_min_n", "ngram_max_n", "max_cached_requests", "eagle_depth",
                     "eagle_top_k")
-        for name in positive + (("budget",) if self.budget is not None else ()) + (
-                ("knee_tokens",) if self.knee_tokens is not None else ()):
+        optional = ("budget", "knee_tokens", "model_draft_max_batch")
+        for name in positive + tuple(n for n in optional if getattr(self, n) is not None):
             if getattr(self, name) < 1:
                 raise ValueError(f"graft option {name!r} must be >= 1, got {getattr(self, name)}")
         if self.min_budget < 0:
@@ -435,41 +460,115 @@ def first_checkpoint_confidence(tree: RetrievedTree, depth: int) -> float:
 
 
 # --- merging the draft and the grafts -------------------------------------------------------------------------------
-def assemble(draft: DraftGrowth, grafts: Iterable[tuple[int, RetrievedTree]], budget: int,
-             min_score: float = 0.0) -> DraftTree:
+class AcceptanceCalibration:
+    """How often the target accepts a tree node, by source and by the node's raw confidence (its source's probability
+    of the token given the parent's path), counted over the nodes whose parent was accepted.
+
+    The sources' raw numbers are not on one scale (suffix-automaton continuation counts, the successor table's
+    learned target distributions, the head's softmax), so graft ranks nodes across sources, and applies its
+    confidence floor, on the observed rate instead: ``(accepts + m * raw) / (trials + m)`` per bin, ``m`` =
+    :data:`ACCEPTANCE_PRIOR_TRIALS`, which is the raw number until a bin has data.
+    """
+
+    def __init__(self, sources: Sequence[str]) -> None:
+        self.names = list(sources)
+        self.trials = np.zeros((len(self.names), ACCEPTANCE_BINS))
+        self.accepts = np.zeros((len(self.names), ACCEPTANCE_BINS))
+
+    def source_id(self, name: str) -> int:
+        return self.names.index(name)
+
+    @staticmethod
+    def bins(raw: np.ndarray) -> np.ndarray:
+        return np.clip((np.asarray(raw, np.float64) * ACCEPTANCE_BINS).astype(np.int64), 0, ACCEPTANCE_BINS - 1)
+
+    def __call__(self, source: int, raw: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities of nodes of one source with raw confidences ``raw``."""
+        raw = np.clip(np.asarray(raw, np.float64), 0.0, 1.0)
+        b = self.bins(raw)
+        rate = (self.accepts[source, b] + ACCEPTANCE_PRIOR_TRIALS * raw) / (self.trials[source, b] +
+                                                                           ACCEPTANCE_PRIOR_TRIALS)
+        return np.minimum(rate, 1.0)
+
+    def observe(self, sources: np.ndarray, raw: np.ndarray, accepted: np.ndarray) -> None:
+        """Count verified nodes (each one's parent was accepted): their sources, raw confidences, outcomes."""
+        b = self.bins(raw)
+        np.add.at(self.trials, (sources, b), 1.0)
+        np.add.at(self.accepts, (sources, b), np.asarray(accepted, np.float64))
+
+    def table(self) -> dict[str, list[tuple[float, int]]]:
+        """Per source and bin: (acceptance rate, trials), (nan, 0) for a bin without data (for logs and benchmarks)."""
+        return {name: [(round(float(a / t), 3), int(t)) if t else (float("nan"), 0)
+                       for a, t in zip(self.accepts[i], self.trials[i])] for i, name in enumerate(self.names)}
+
+
+class AssembledTree(NamedTuple):
+    tree: DraftTree
+    #: per node: the source (AcceptanceCalibration id, -1 = unknown) whose path gave its score, and that source's raw
+    #: confidence of the node given its parent
+    sources: np.ndarray
+    raw_probs: np.ndarray
+
+
+def assemble(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_score: float = 0.0, *,
+             calibration: AcceptanceCalibration | None = None, draft_source: int = -1) -> DraftTree:
+    """:func:`assemble_tree` without the per-node sources."""
+    return assemble_tree(draft, grafts, budget, min_score, calibration=calibration, draft_source=draft_source).tree
+
+
+def assemble_tree(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_score: float = 0.0, *,
+                  calibration: AcceptanceCalibration | None = None, draft_source: int = -1) -> AssembledTree:
     """The draft nodes plus the best grafted nodes up to ``budget``, with identical paths merged, less the nodes
     scoring below ``min_score``.
 
-    ``grafts`` are (draft node or -1 for the root, tree continuing that node). A node's score is its path confidence
-    (the highest any source gives the path); the result is ordered by score, so every prefix is the best subtree.
+    ``grafts`` are (draft node or -1 for the root, tree continuing that node[, source id]). A node's score is its path
+    confidence (the highest any source gives the path), each step's probability passed through ``calibration`` (by
+    source) when given; the result is ordered by score, so every prefix is the best subtree.
     """
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
+    sources: list[int] = []
+    raws: list[float] = []
     index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
 
-    def add(parent: int, token: int, score: float) -> int:
+    def add(parent: int, token: int, score: float, source: int, raw: float) -> int:
         node = index.get((parent, token))
         if node is None:
             node = index[(parent, token)] = len(tokens)
             tokens.append(token)
             parents.append(parent)
             scores.append(score)
+            sources.append(source)
+            raws.append(raw)
         elif score > scores[node]:
-            scores[node] = score
+            scores[node], sources[node], raws[node] = score, source, raw
         return node
 
-    draft_node = []  # draft index -> node (a drafter may repeat a sibling)
-    for t, p, s in zip(draft.tokens, draft.parents, draft.log_scores):
-        draft_node.append(add(-1 if p < 0 else draft_node[p], t, math.exp(s)))
+    def calibrated(source: int, raw: np.ndarray) -> np.ndarray:
+        return calibration(source, raw) if calibration is not None and source >= 0 else raw
+
+    # the draft's own step probabilities (its nodes are in drafting order: parents first)
+    log_scores = np.asarray(draft.log_scores, np.float64)
+    draft_parents = np.asarray(draft.parents, np.int64)
+    step_raw = np.exp(log_scores - np.where(draft_parents < 0, 0.0, log_scores[np.maximum(draft_parents, 0)])) \
+        if log_scores.size else log_scores
+    step = calibrated(draft_source, step_raw)
+    draft_node: list[int] = []  # draft index -> node (a drafter may repeat a sibling)
+    draft_score: list[float] = []
+    for j, (t, p) in enumerate(zip(draft.tokens, draft_parents.tolist())):
+        draft_score.append((1.0 if p < 0 else draft_score[p]) * float(step[j]))
+        draft_node.append(add(-1 if p < 0 else draft_node[p], t, draft_score[j], draft_source, float(step_raw[j])))
     num_draft = len(tokens)
-    for attach, tree in grafts:
+    for attach, tree, *source in grafts:
+        source = int(source[0]) if source else -1
         attach = -1 if attach < 0 else draft_node[attach]
         base = 1.0 if attach < 0 else scores[attach]
-        path = tree.path_scores() * base
+        raw = np.asarray(tree.probs, np.float64)
+        path = RetrievedTree(tree.token_ids, tree.parents, calibrated(source, raw)).path_scores() * base
         mapped = np.empty(tree.num_nodes, np.int64)
         for j, (t, p) in enumerate(zip(tree.token_ids.tolist(), tree.parents.tolist())):
-            mapped[j] = add(attach if p < 0 else int(mapped[p]), t, float(path[j]))
+            mapped[j] = add(attach if p < 0 else int(mapped[p]), t, float(path[j]), source, float(raw[j]))
     score = np.array(scores)
     grafted = np.arange(num_draft, len(tokens))
     # scores never increase along a path and ties keep creation order, so this order has parents first
@@ -483,8 +582,9 @@ def assemble(draft: DraftGrowth, grafts: Iterable[tuple[int, RetrievedTree]], bu
     par = np.array(parents, np.int64)[chosen]
     out_parents = np.where(par < 0, -1, new_index[np.maximum(par, 0)])
     parent_score = np.where(par < 0, 1.0, score[np.maximum(par, 0)])
-    return DraftTree(np.array(tokens, np.int64)[chosen], out_parents,
+    tree = DraftTree(np.array(tokens, np.int64)[chosen], out_parents,
                      (score[chosen] / np.maximum(parent_score, 1e-30)).astype(np.float32))
+    return AssembledTree(tree, np.array(sources, np.int64)[chosen], np.array(raws, np.float64)[chosen])
 
 
 # --- retrieval sources ----------------------------------------------------------------------------------------------
@@ -519,14 +619,14 @@ class RetrievalSources:
         return out
 
     def after_path(self, req_id: str, context: np.ndarray, path: list[int], budget: int,
-                   names: Iterable[str]) -> list[RetrievedTree]:
-        """Trees continuing ``context + path`` (a draft path that is not committed), from the successor table and
-        the suffix automata; the n-gram index only answers for its indexed context."""
+                   names: Iterable[str]) -> list[tuple[str, RetrievedTree]]:
+        """(source, tree) continuing ``context + path`` (a draft path that is not committed), from the successor
+        table and the suffix automata; the n-gram index only answers for its indexed context."""
         out = []
         for name in names:
             if name == "successor":
                 tok, par, prob = self.successors.tree(path[-1], budget, self.max_depth)
-                out.append(RetrievedTree(tok, par, prob, 1))
+                out.append((name, RetrievedTree(tok, par, prob, 1)))
             elif name == "suffix":
                 window = np.concatenate([context[-self.suffix.match_window:], np.asarray(path, context.dtype)])
                 automata = [self.suffix.requests.get(req_id, len(context), 0).index]
@@ -538,7 +638,7 @@ class RetrievalSources:
                     state, length = automaton.match(window)
                     if length > len(path):  # the match reaches into the committed context
                         tok, par, prob = automaton.tree(state, budget, self.max_depth)
-                        out.append(RetrievedTree(tok, par, prob, length))
+                        out.append((name, RetrievedTree(tok, par, prob, length)))
         return out
 
     def observe(self, req_id: str, context: np.ndarray) -> None:
@@ -592,6 +692,8 @@ class GraftStats:
     grafted_nodes: int = 0
     pruned: int = 0
     draft_source: dict[str, int] = field(default_factory=dict)
+    #: steps where a loaded model drafter sat out because the batch exceeded model_draft_max_batch
+    retrieval_only_steps: int = 0
 
 
 class GraftProposer(TreeProposer):
@@ -628,6 +730,11 @@ class GraftProposer(TreeProposer):
         self.max_budget = opts.budget or self.max_nodes or 0
         self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
                                     DEFAULT_MIN_NODE_CONFIDENCE[device_kind])
+        if opts.model_draft_max_batch is not None:
+            self.model_draft_max_batch = opts.model_draft_max_batch
+        else:
+            self.model_draft_max_batch = DEFAULT_MODEL_DRAFT_MAX_BATCH["other" if not opts.adaptive_budget else
+                                                                       device_kind]
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)
         self.drafter = drafter if drafter is not None else load_model_drafter(
@@ -642,6 +749,9 @@ class GraftProposer(TreeProposer):
             self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
             self.needs_kv_cache = self.drafter.needs_kv_cache
         self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
+        self.calibration = (AcceptanceCalibration(list(opts.sources) + [MODEL_SOURCE]) if opts.calibrate_acceptance
+                            else None)
+        self._last_trees: dict[str, AssembledTree] = {}  # each request's last tree, to learn acceptance from
         self.stats = GraftStats()
 
     # --- budget ----------------------------------------------------------------------------------------------------
@@ -653,16 +763,19 @@ class GraftProposer(TreeProposer):
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
         budget = self.budget(ctx)
-        if self.drafter is not None and budget > 0:
-            # At a zero budget (high load) nothing is drafted, so the head does not read this step's rows either: it
-            # cost 12-14% of throughput at 4-16 requests. Rows it skips stay masked out of its KV (drafts get
-            # worse after a busy spell; verification keeps them exact).
+        use_drafter = self.drafter is not None and budget > 0 and ctx.num_reqs <= self.model_draft_max_batch
+        if use_drafter:
+            # When the head will not draft (zero budget at high load, or a batch above model_draft_max_batch) it
+            # does not read this step's rows either: that cost 12-14% of throughput at 4-16 requests. Rows it skips
+            # stay masked out of its KV (drafts get worse after a busy spell; verification keeps them exact).
             self.drafter.ingest(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if budget <= 0 or not rows:
             return trees
-        model_drafts = self._model_drafts(ctx, rows, budget) if self.drafter is not None else {}
+        if self.drafter is not None and not use_drafter:
+            self.stats.retrieval_only_steps += 1
+        model_drafts = self._model_drafts(ctx, rows, budget) if use_drafter else {}
         for i in rows:
             trees[i] = self._tree(ctx, i, budget, model_drafts.get(i))
         return trees
@@ -685,26 +798,41 @@ class GraftProposer(TreeProposer):
         self._roots[req_id] = int(context[-1])
         found = self.sources.at_root(req_id, context, budget, prompt_len)
         graft_names = list(found)
+        draft_source = MODEL_SOURCE
+        cal = self.calibration
+        sid = (lambda name: cal.source_id(name)) if cal is not None else (lambda name: -1)
+
+        def confidence(name: str) -> float:  # of a source's tree at the first checkpoint, calibrated if learned
+            t = found[name]
+            if cal is not None and t.num_nodes:
+                t = t._replace(probs=cal(sid(name), t.probs))
+            return first_checkpoint_confidence(t, self.first_checkpoint)
+
         if draft is None:  # retrieval-only: the most confident source drafts
-            ranked = sorted(found, key=lambda s: -first_checkpoint_confidence(found[s], self.first_checkpoint))
+            ranked = sorted(found, key=lambda s: -confidence(s))
             source = ranked[0]
             draft = DraftGrowth(budget, self.checkpoints, opts.max_depth)
             for level in tree_levels(found[source]):
                 if not draft.add_level(level):
                     break
             graft_names.remove(source)
+            draft_source = source
             if len(draft):
                 self.stats.draft_source[source] = self.stats.draft_source.get(source, 0) + 1
-        grafts: list[tuple[int, RetrievedTree]] = []
+        grafts: list[tuple[int, RetrievedTree, int]] = []
         if opts.graft and draft.remaining > 0:
             if opts.graft_position in ("root", "both"):
-                grafts += [(-1, found[s]) for s in graft_names]
+                grafts += [(-1, found[s], sid(s)) for s in graft_names]
             deepest = draft.deepest()
             if opts.graft_position in ("deepest", "both") and deepest >= 0:
                 path = draft.path_tokens(deepest)
-                grafts += [(deepest, t) for t in
+                grafts += [(deepest, t, sid(s)) for s, t in
                            self.sources.after_path(req_id, context, path, draft.remaining, graft_names)]
-        tree = assemble(draft, grafts, budget, self.min_node_confidence)
+        assembled = assemble_tree(draft, grafts, budget, self.min_node_confidence, calibration=cal,
+                                  draft_source=sid(draft_source))
+        tree = assembled.tree
+        if cal is not None:
+            self._last_trees[req_id] = assembled
         self.stats.trees += 1
         self.stats.draft_nodes += len(draft)
         self.stats.grafted_nodes += tree.num_nodes - len(draft)
@@ -717,6 +845,8 @@ class GraftProposer(TreeProposer):
         token, row 1 + j follows node j's token, whether the node was accepted or not."""
         import torch
 
+        if self.calibration is not None:
+            self._learn_acceptance(results)
         tokens, logits = [], []
         for r in results:
             root = self._roots.get(r.req_id)
@@ -732,6 +862,27 @@ class GraftProposer(TreeProposer):
         probs = torch.exp(top - torch.logsumexp(rows, dim=-1, keepdim=True))
         self.learn_successors(np.concatenate(tokens), ids.numpy(), probs.numpy())
 
+    def _learn_acceptance(self, results: list[VerificationResult]) -> None:
+        """Count each verified tree's nodes whose parent was accepted (the target reached them) by source."""
+        sources, raws, accepted = [], [], []
+        for r in results:
+            last = self._last_trees.pop(r.req_id, None)
+            n = r.tree.num_nodes
+            # the verifier may have truncated the tree (a prefix) or replaced it (a chain fallback)
+            if last is None or n == 0 or n > last.tree.num_nodes or \
+                    not np.array_equal(r.tree.token_ids, last.tree.token_ids[:n]):
+                continue
+            hit = np.zeros(n, bool)
+            hit[np.asarray(r.accepted_nodes, np.int64)] = True
+            parents = np.asarray(r.tree.parents, np.int64)
+            reached = (parents < 0) | hit[np.maximum(parents, 0)]
+            known = reached & (last.sources[:n] >= 0)
+            sources.append(last.sources[:n][known])
+            raws.append(last.raw_probs[:n][known])
+            accepted.append(hit[known])
+        if sources:
+            self.calibration.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted))
+
     def learn_successors(self, tokens: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
         """Row ``tokens[i]`` of the successor table := the target's top-k after it (also used by offline replay)."""
         self.sources.learn(tokens, topk_ids, topk_probs)
@@ -746,6 +897,7 @@ class GraftProposer(TreeProposer):
             self.drafter.release(req_ids)
         for r in req_ids:
             self._roots.pop(r, None)
+            self._last_trees.pop(r, None)
         self.sources.release(req_ids)
 
 

@@ -5,13 +5,15 @@ for every prompt one at a time (batch 1) after a short warm-up. tau = 1 + accept
 spec-decode counters (steps that proposed nothing are not drafts, so tok/s is the end-to-end figure); every output is
 compared with the no-speculation output. Configurations: no speculation; vLLM ``ngram`` (k=5, prompt lookup 2..4);
 vLLM ``eagle3`` (k=5) with the trained head; ``suffix_tree``; ``ngram_tree``; ``eagle_tree``; ``graft`` (on the EAGLE
-head); the ablations graft without pruning / without grafting / with the head drafting its full tree before pruning;
-and graft without the head (retrieval-only). The
+head); the ablations graft without pruning / without grafting / with the head drafting its full tree before pruning /
+ranking nodes by the sources' raw confidences instead of their learned acceptance rates; and graft without the head
+(retrieval-only). The
 EAGLE rows need a head (``--head``, default: the one ``vllm-treespec train-eagle`` wrote to the cache); without one
 they are skipped. ShareGPT prompts come from the benchmark prefix that EAGLE training never sees.
 
     python scripts/bench_graft.py [--mt-bench 4] [--human-eval 4] [--sharegpt 4] [--max-tokens 128] [--budget 32]
                                   [--graft-options '{"calibration_path": "graft_calibration.json"}'] [--out r.json]
+                                  [--only NAME ...] [--confidence-floors 0.05,0.15] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 
@@ -45,6 +48,11 @@ def configs(budget: int, graft_options: dict, head: str | None,
     if head:
         out += [("graft, head drafts in full", {**graft, "stop_drafting_at_checkpoints": False}),
                 ("graft retrieval-only", {**graft, "eagle_checkpoint": "none"})]
+    # ablation: rank and floor nodes by the sources' raw confidences instead of their learned acceptance rates
+    out.append(("graft, raw confidences", {**graft, "calibrate_acceptance": False}))
+    if head:
+        out.append(("graft retrieval-only, raw confidences",
+                    {**graft, "eagle_checkpoint": "none", "calibrate_acceptance": False}))
     for floor in floors:  # min_node_confidence: unlikely nodes are not verified
         out.append((f"graft, floor {floor:g}", {**graft, "min_node_confidence": floor}))
         if head:
@@ -102,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", help="run only these configuration names (no speculation always runs)")
     parser.add_argument("--confidence-floors", default="", help="comma-separated graft min_node_confidence values: "
                         "adds graft (and graft retrieval-only) rows at each")
+    parser.add_argument("--repeats", type=int, default=1, help="run the configurations this many times, round-robin "
+                        "(each on a fresh engine), and report the median tok/s: this machine's speed drifts by 10-20%% "
+                        "over minutes, which a single pass attributes to whichever configuration ran then")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -127,17 +138,24 @@ def main(argv=None) -> int:
         head = str(default_head_path()) if (default_head_path() / "config.json").is_file() else None
     results: dict[str, dict] = {}
     floors = tuple(float(v) for v in args.confidence_floors.split(",") if v.strip())
-    for name, spec in configs(args.budget, json.loads(args.graft_options), head, floors):
-        if args.only and spec is not None and name not in args.only:
-            continue
-        results[name] = run(model, spec, prompts, args.max_tokens, args.dtype)
-        r = results[name]
-        print(f"[{name}] {r['tok_s']:.2f} tok/s, tau {r['tau']:.2f} (engine start {r['startup_s']:.0f} s)", flush=True)
+    chosen = [(name, spec) for name, spec in configs(args.budget, json.loads(args.graft_options), head, floors)
+              if not args.only or spec is None or name in args.only]
+    for repeat in range(args.repeats):
+        for name, spec in chosen:
+            r = run(model, spec, prompts, args.max_tokens, args.dtype)
+            if name in results:  # later repeats add their throughput; tau and outputs are the first pass's
+                results[name]["tok_s_runs"].append(r["tok_s"])
+                results[name]["tok_s"] = statistics.median(results[name]["tok_s_runs"])
+            else:
+                results[name] = {**r, "tok_s_runs": [r["tok_s"]]}
+            print(f"[{name}] pass {repeat + 1}: {r['tok_s']:.2f} tok/s, tau {r['tau']:.2f} "
+                  f"(engine start {r['startup_s']:.0f} s)", flush=True)
 
     base = results["no speculation"]
     print(f"\n{len(prompts)} prompts ({args.mt_bench} MT-Bench, {args.human_eval} HumanEval, {args.sharegpt} ShareGPT), "
           f"batch 1, head {head}, "
-          f"max_tokens {args.max_tokens}, tree budget {args.budget}, {args.dtype}")
+          f"max_tokens {args.max_tokens}, tree budget {args.budget}, {args.dtype}"
+          + (f", median tok/s of {args.repeats} round-robin passes" if args.repeats > 1 else ""))
     print(f"{'method':<36} {'tau':>6} {'tok/step':>8} {'tok/s':>7} {'x no-spec':>10} {'draft tok/draft':>15} "
           f"{'identical':>10}")
     for name, r in results.items():

@@ -14,7 +14,8 @@ import pytest
 from vllm_treespec.api import DraftTree, ProposeContext, VerificationResult, load_proposer_class
 from vllm_treespec.config import TreeSpecConfigError, parse_options
 from vllm_treespec.proposers.graft import (BudgetCurve, DraftGrowth, DraftLevel, GraftOptions, GraftProposer,
-                                           ModelDrafter, assemble, load_calibration)
+                                           ModelDrafter, AcceptanceCalibration, assemble, assemble_tree,
+                                           load_calibration)
 from vllm_treespec.proposers.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
                                                      calibrate_from, replay)
 from vllm_treespec.retrieval import RetrievedTree
@@ -129,6 +130,56 @@ def test_assemble_merges_identical_paths_and_keeps_the_draft():
     assert assemble(draft, [(-1, graft)], budget=5, min_score=0.95).num_nodes == 0
 
 
+def test_acceptance_calibration_starts_at_the_raw_confidence_and_learns_the_observed_rate():
+    cal = AcceptanceCalibration(["suffix", "successor"])
+    raw = np.array([0.05, 0.55, 0.95])
+    assert np.allclose(cal(0, raw), raw)  # no data: the source's own number
+    # suffix nodes at raw ~0.95 were accepted 1 time in 40; successor nodes at raw ~0.55 every time
+    cal.observe(np.zeros(40, np.int64), np.full(40, 0.97), np.arange(40) == 0)
+    cal.observe(np.ones(40, np.int64), np.full(40, 0.52), np.ones(40, bool))
+    assert cal(0, np.array([0.95]))[0] == pytest.approx((1 + 8 * 0.95) / 48)
+    assert cal(1, np.array([0.55]))[0] == pytest.approx((40 + 8 * 0.55) / 48)
+    assert cal(1, np.array([0.95]))[0] == pytest.approx(0.95)  # other bins keep their prior
+    assert cal.table()["successor"][5] == (1.0, 40)
+
+
+def test_assemble_ranks_and_floors_nodes_by_calibrated_acceptance():
+    """A source whose raw confidences run high but whose nodes are rarely accepted loses the budget to one that is
+    right more often than it claims; the floor cuts by the calibrated score."""
+    cal = AcceptanceCalibration(["suffix", "successor"])
+    cal.observe(np.zeros(200, np.int64), np.full(200, 0.95), np.arange(200) < 10)  # suffix: 5% at raw 0.9-1
+    cal.observe(np.ones(200, np.int64), np.full(200, 0.45), np.arange(200) < 180)  # successor: 90% at raw 0.4-0.5
+    draft = DraftGrowth(budget=2, checkpoints={}, max_depth=8)
+    suffix = RetrievedTree(np.array([10, 11]), np.array([-1, 0]), np.array([0.95, 0.95], np.float32))
+    successor = RetrievedTree(np.array([20, 21]), np.array([-1, 0]), np.array([0.45, 0.45], np.float32))
+    grafts = [(-1, suffix, 0), (-1, successor, 1)]
+    assert assemble(draft, grafts, budget=2).token_ids.tolist() == [10, 11]  # raw: suffix first
+    built = assemble_tree(draft, grafts, budget=2, calibration=cal)
+    assert built.tree.token_ids.tolist() == [20, 21] and built.sources.tolist() == [1, 1]
+    assert np.allclose(built.raw_probs, 0.45)
+    assert built.tree.node_probs[0] == pytest.approx((180 + 8 * 0.45) / 208, rel=1e-6)
+    floored = assemble(draft, grafts, budget=4, min_score=0.1, calibration=cal)
+    assert floored.token_ids.tolist() == [20, 21]  # suffix nodes: ~0.08 calibrated, below the floor
+
+
+def test_graft_learns_acceptance_from_verified_trees():
+    """Only nodes the target reached (root children, children of accepted nodes) count; a replaced tree is ignored."""
+    p = proposer(budget=6, sources=("successor",), prune=False, adaptive_budget=False)
+    p.learn_successors(np.array([3, 20]), np.array([[20, 21], [22, 23]]), np.array([[0.65, 0.35], [0.75, 0.15]]))
+    tree = p.propose_trees(make_ctx([[1, 2, 3]], req_ids=["a"]))[0]
+    assert tree.token_ids.tolist()[:4] == [20, 22, 21, 23]  # path 0.65, 0.49, 0.35, 0.10
+    p.on_verified([VerificationResult("a", tree, accepted_nodes=[0], bonus_token=5)])
+    succ = p.calibration.source_id("successor")
+    # reached: 20 (accepted, bin 6), 21 (rejected, bin 3), and 20's children 22 (bin 7) and 23 (bin 1): rejected
+    assert p.calibration.trials[succ].sum() == 4 and p.calibration.accepts[succ].sum() == 1
+    assert p.calibration.accepts[succ, 6] == 1 and p.calibration.trials[succ, 7] == 1
+    p.propose_trees(make_ctx([[1, 2, 3]], req_ids=["a"]))
+    other = DraftTree(np.array([9]), np.array([-1]))
+    p.on_verified([VerificationResult("a", other, accepted_nodes=[0], bonus_token=5)])
+    assert p.calibration.trials[succ].sum() == 4
+    assert proposer(calibrate_acceptance=False).calibration is None
+
+
 def test_grafting_at_the_deepest_draft_node():
     draft = DraftGrowth(budget=5, checkpoints={}, max_depth=8)
     draft.add_level(DraftLevel(np.array([1, 2]), np.array([-1, -1]), np.log([0.5, 0.4])))
@@ -228,6 +279,39 @@ def test_zero_budget_skips_the_model_drafter_entirely():
     assert p.propose_trees(make_ctx([[1, 2, 3]] * 4)) == [None] * 4
     assert drafter.ingested == 0 and drafter.calls == []
     assert p.propose_trees(make_ctx([[1, 2, 3]]))[0] is not None and drafter.ingested == 1
+
+
+def test_model_drafter_sits_out_batches_above_its_limit():
+    """On CPU the head drafts for one request at a time by default; a larger batch gets retrieval-only trees and the
+    head skips its rows. GPUs, an explicit limit, or adaptive_budget off let it draft for any batch."""
+    class CountingDrafter(ScriptedDrafter):
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    def graft(device="cpu", **options):
+        config = SimpleNamespace(device_config=SimpleNamespace(device_type=device))
+        drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
+        opts = GraftOptions(budget=8, sources=("suffix",), min_node_confidence=0.0, **options)
+        p = GraftProposer(config, opts, drafter=drafter, vocab_size=VOCAB)
+        p.budget_curve = BudgetCurve(8, table={1: 8})  # budget 8 at any batch: only the drafter limit differs
+        return p, drafter
+
+    pair = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+    p, drafter = graft()
+    assert p.model_draft_max_batch == 1
+    trees = p.propose_trees(pair)
+    assert drafter.ingested == 0 and drafter.calls == [] and p.stats.retrieval_only_steps == 1
+    assert [t.token_ids.tolist()[:2] for t in trees] == [[3, 1], [9, 7]]  # the suffix source drafted both
+    tree = p.propose_trees(make_ctx([[1, 2, 3, 1, 2]]))[0]
+    assert drafter.ingested == 1 and drafter.calls and 50 in tree.token_ids.tolist()
+    for kwargs in ({"device": "cuda"}, {"model_draft_max_batch": 2}, {"adaptive_budget": False}):
+        p, drafter = graft(**kwargs)
+        p.propose_trees(pair)
+        assert drafter.ingested == 1 and drafter.calls[0] == [0, 1] and p.stats.retrieval_only_steps == 0, kwargs
+    with pytest.raises(ValueError, match="model_draft_max_batch"):
+        GraftOptions(model_draft_max_batch=0)
 
 
 def test_eagle_checkpoint_that_is_not_a_head_is_refused(tmp_path):
