@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import msgspec
 import numpy as np
 
-from vllm_treespec.api import DraftTree, ProposeContext
+from vllm_treespec.api import DraftTree, ProposeContext, VerificationResult
 from vllm_treespec.proposers.graft import (CALIBRATION_VERSION, DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS,
                                            GraftCalibration, GraftOptions, GraftProposer)
 
@@ -95,6 +95,8 @@ def replay(proposer: GraftProposer, episodes: Sequence[Episode], budget: int) ->
             future = ep.output[pos + 1:]
             path = accepted_path(tree, future) if tree is not None else []
             a = len(path)
+            if tree is not None:  # graft's acceptance calibration learns here as it does online (no logits here)
+                proposer.on_verified([VerificationResult(req_id, tree, path, int(future[a]) if a < len(future) else 0)])
             rows = np.arange(pos + 1, min(pos + 2 + a, len(ep.output)))  # root row, then the accepted nodes' rows
             learned = np.concatenate([ep.output[pos: pos + 1], future[:a]])[: rows.size]
             proposer.learn_successors(learned, ep.topk_ids[rows], ep.topk_probs[rows])

@@ -459,8 +459,11 @@ def synthetic_episodes(rng, n=6) -> list[Episode]:
 
 def test_replay_measures_coverage_and_learns():
     eps = synthetic_episodes(np.random.default_rng(1))
-    r = replay(proposer(budget=8, adaptive_budget=False), eps, 8)
+    p = proposer(budget=8, adaptive_budget=False)
+    r = replay(p, eps, 8)
     assert r.steps > 0 and r.mean_nodes <= 8
+    # the acceptance calibration learned from every replayed tree, as online: each step reached its root children
+    assert p.calibration.trials.sum() >= r.steps and p.calibration.accepts.sum() == r.accepted
     # every output token is committed once (+1 per episode whose last tree covered the rest: no bonus token there)
     assert 0 <= r.steps + r.accepted - sum(len(e.output) - 1 for e in eps) <= len(eps)
     assert r.coverage > 2  # motifs repeat: long accepted paths
