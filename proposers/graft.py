@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal, NamedTuple, Sequence
