@@ -72,7 +72,7 @@ DEFAULT_CPU_BUDGET_TABLE = {1: 128, 2: 3, 4: 0}
 DEFAULT_MIN_NODE_CONFIDENCE = {"cpu": 0.05, "other": 0.0}
 #: largest batch for which the model drafter (EAGLE head) drafts, by device; larger batches get retrieval-only trees.
 #: On 2 CPU cores the head's levels cost more than they win once requests share the step (`bench serve`, README: at
-#: concurrency 2 graft on the head 36.5 tok/s = 1.02x, retrieval-only 45.5 = 1.43x); GPUs draft for any batch.
+#: concurrency 2 the head at every batch 31.0 tok/s = 0.96x, at batch 1 only 43.7 = 1.35x); GPUs draft for any batch.
 DEFAULT_MODEL_DRAFT_MAX_BATCH = {"cpu": 1, "other": 1 << 30}
 #: raw-confidence bins of the online acceptance calibration (uniform over a node's probability given its parent)
 ACCEPTANCE_BINS = 10
@@ -496,7 +496,8 @@ class AcceptanceCalibration:
         np.add.at(self.accepts, (sources, b), np.asarray(accepted, np.float64))
 
     def table(self) -> dict[str, list[tuple[float, int]]]:
-        """Per source and bin: (acceptance rate, trials), (nan, 0) for a bin without data (for logs and benchmarks)."""
+        """Per source and bin: (acceptance rate, trials), (nan, 0) for a bin without data (to inspect what a proposer
+        has learned)."""
         return {name: [(round(float(a / t), 3), int(t)) if t else (float("nan"), 0)
                        for a, t in zip(self.accepts[i], self.trials[i])] for i, name in enumerate(self.names)}
 

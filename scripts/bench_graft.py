@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     from vllm_treespec.cli import cpu_memory_defaults
     from vllm_treespec.models import ensure_smollm2
@@ -143,11 +145,12 @@ def main(argv=None) -> int:
     for repeat in range(args.repeats):
         for name, spec in chosen:
             r = run(model, spec, prompts, args.max_tokens, args.dtype)
-            if name in results:  # later repeats add their throughput; tau and outputs are the first pass's
+            if name in results:  # later repeats add their throughput and outputs; tau is the first pass's
                 results[name]["tok_s_runs"].append(r["tok_s"])
                 results[name]["tok_s"] = statistics.median(results[name]["tok_s_runs"])
+                results[name]["token_runs"].append(r["tokens"])
             else:
-                results[name] = {**r, "tok_s_runs": [r["tok_s"]]}
+                results[name] = {**r, "tok_s_runs": [r["tok_s"]], "token_runs": [r["tokens"]]}
             print(f"[{name}] pass {repeat + 1}: {r['tok_s']:.2f} tok/s, tau {r['tau']:.2f} "
                   f"(engine start {r['startup_s']:.0f} s)", flush=True)
 
@@ -159,14 +162,16 @@ def main(argv=None) -> int:
     print(f"{'method':<36} {'tau':>6} {'tok/step':>8} {'tok/s':>7} {'x no-spec':>10} {'draft tok/draft':>15} "
           f"{'identical':>10}")
     for name, r in results.items():
-        same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
+        # a prompt counts as identical when every pass's output equals the baseline's first pass
+        same = sum(all(run[i] == base["tokens"][i] for run in r["token_runs"]) for i in range(len(prompts)))
         per_step = r["draft_tokens"] / r["drafts"] if r["drafts"] else 0.0
         print(f"{name:<36} {r['tau']:>6.2f} {r['tokens_per_step']:>8.2f} {r['tok_s']:>7.2f} "
               f"{r['tok_s'] / base['tok_s']:>9.2f}x "
               f"{per_step:>15.1f} {same:>6}/{len(prompts)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}, f, indent=1)
+            json.dump({k: {kk: vv for kk, vv in v.items() if kk not in ("tokens", "token_runs")}
+                       for k, v in results.items()}, f, indent=1)
     return 0
 
 
