@@ -39,6 +39,17 @@ logger = logging.getLogger("vllm.treespec")
 
 #: where ``vllm-treespec train-eagle`` writes the head for the embedded SmolLM2 model by default
 DEFAULT_HEAD_NAME = "eagle3-smollm2-135m"
+#: path confidence below which a draft node is not verified, by device. On 2 CPU cores a verified token costs ~2.4 ms
+#: of a ~50 ms step, worth it only for nodes accepted about 1 time in 20 (graft: scripts/bench_graft.py
+#: --confidence-floors, on the head 24.9 -> 27.0 tok/s at 0.05, 26.2 at 0.15). GPUs verify hundreds of tokens at the
+#: cost of one.
+DEFAULT_MIN_NODE_CONFIDENCE = {"cpu": 0.05, "other": 0.0}
+
+
+def device_kind(vllm_config: Any) -> str:
+    """Key of the per-device defaults: "cpu" or "other" (GPUs and other accelerators)."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    return "cpu" if device == "cpu" else "other"
 
 
 def default_head_path() -> Path:
@@ -81,12 +92,19 @@ class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
     #: requests whose draft KV is kept (least recently used ones are dropped first)
     max_cached_requests: int = 1024
+    #: nodes whose path probability under the head (cumulative draft probability) is below this are neither verified
+    #: nor expanded, even within the budget: on a compute-bound device each verified token costs forward time that
+    #: only a likely node pays back. 0 = fill the budget; None = the device default (CPU 0.05, else 0)
+    min_node_confidence: float | None = None
 
     def __post_init__(self) -> None:
         method = self.method_name()
         for name in ("depth", "top_k", "max_cached_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{method} option {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.min_node_confidence is not None and not 0.0 <= self.min_node_confidence < 1.0:
+            raise ValueError(f"{method} option 'min_node_confidence' must be in [0, 1) (0 fills the budget), "
+                             f"got {self.min_node_confidence}")
         if self.checkpoint not in (None, "auto") and not os.path.exists(self.checkpoint):
             raise ValueError(f"{method} option 'checkpoint': no such file or directory {self.checkpoint!r}")
         self.resolved_checkpoint()
@@ -341,16 +359,18 @@ class EagleDrafter:
 
     # --- steps 2 and 3: expand and rerank ---------------------------------------------------------------------
     def draft(self, ctx: ProposeContext, rows: Sequence[int], budget: int,
-              stop_below: dict[int, float] | None = None) -> dict[int, DraftTree]:
+              stop_below: dict[int, float] | None = None, min_confidence: float = 0.0) -> dict[int, DraftTree]:
         """EAGLE-2 trees of at most ``budget`` nodes for ``rows`` (those ingested this step). ``stop_below``
         (depth -> confidence) stops a request's expansion after that depth when its best path there is less likely
-        (graft's checkpoints: the levels it would prune are never drafted)."""
+        (graft's checkpoints: the levels it would prune are never drafted). Nodes whose path probability is below
+        ``min_confidence`` are left out and not expanded (their descendants are less likely still)."""
         import torch
 
         # The kept tree is the top `budget` nodes by score, closed under ancestors (a child scores below its parent):
         # a node deeper than `budget`, or ranked below `budget` among its siblings or its level, is never kept, so
         # growing past those bounds only costs time (exact: the same tree either way).
         head, k, max_depth = self.head, min(self.top_k, max(budget, 1)), min(self.depth, max(budget, 1))
+        min_log = math.log(min_confidence) if min_confidence > 0 else -math.inf
         grows: dict[int, _Growing] = {}
         with torch.inference_mode():
             # depth 1: children of the root from the last ingested row's output
@@ -366,11 +386,12 @@ class EagleDrafter:
                 st = self.states[ctx.req_ids[i]]
                 g = _Growing(state=st, tokens=top_id[j].tolist(), parents=[-1] * top_id.shape[1],
                              scores=top_lp[j].astype(np.float64).tolist(), logps=top_lp[j].tolist(),
-                             depths=[1] * top_id.shape[1], slot={}, frontier=list(range(top_id.shape[1])))
+                             depths=[1] * top_id.shape[1], slot={}, frontier=[], stop_score=min_log)
+                g.frontier = [n for n in range(top_id.shape[1]) if g.scores[n] >= min_log]
                 g.frontier_r2 = st.last_r2[None].expand(len(g.frontier), -1)
                 best_score = float(top_lp[j].max())
                 if below_checkpoint(stop_below, 1, best_score):
-                    g.frontier, g.stop_score = [], best_score
+                    g.frontier, g.stop_score = [], max(best_score, min_log)
                 grows[i] = g
             for depth in range(1, max_depth):
                 active = [i for i in ready if grows[i].frontier]
@@ -428,13 +449,13 @@ class EagleDrafter:
                     best_score = max(new_scores)
                     stop = below_checkpoint(stop_below, depth + 1, best_score)
                     if stop:
-                        g.stop_score = best_score
+                        g.stop_score = max(best_score, min_log)
                     if depth + 1 < max_depth and not stop:
                         row_of = {parent: offset + j for j, parent in enumerate(g.frontier)}
                         best = np.argsort(-np.asarray(new_scores), kind="stable")[:k]
                         # A child scores at most its parent, so a node below the budget-th best score so far has no
                         # descendant in the kept tree: not expanding it changes no tree and saves head rows/levels.
-                        floor = _kth_best(g.scores, budget) if self.prune_frontier else -np.inf
+                        floor = max(_kth_best(g.scores, budget) if self.prune_frontier else -np.inf, min_log)
                         g.frontier = [new_nodes[b] for b in best if new_scores[b] >= floor]
                         g.frontier_r2 = r2[[row_of[g.parents[n]] for n in g.frontier]]
                     else:
@@ -450,6 +471,7 @@ class EagleDrafter:
         order = np.argsort(-scores, kind="stable")[: max(0, budget)]  # parents precede children (ties: creation)
         # Stopped at a checkpoint: only nodes at least as likely as its best path, i.e. nodes a fully grown tree would
         # rank above every node it could have added below; the rest of the budget is the caller's (graft: retrieval).
+        # stop_score is also at least the confidence floor.
         order = order[scores[order] >= g.stop_score]
         chosen = np.sort(order)  # creation order is topological
         new_index = np.full(len(g.tokens), -1, np.int64)
@@ -500,6 +522,8 @@ class EagleTreeProposer(TreeProposer):
                                                max_cached_requests=opts.max_cached_requests)
         self.aux_hidden_state_layers = self.drafter.aux_layers
         self.needs_kv_cache = self.drafter.reads_target_kv
+        self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
+                                    DEFAULT_MIN_NODE_CONFIDENCE[device_kind(vllm_config)])
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)
@@ -510,7 +534,8 @@ class EagleTreeProposer(TreeProposer):
         want = [i for i in ready if ctx.needs_draft(i)]
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if want and ctx.max_nodes > 0:
-            for i, tree in self.drafter.draft(ctx, want, ctx.max_nodes).items():
+            for i, tree in self.drafter.draft(ctx, want, ctx.max_nodes,
+                                              min_confidence=self.min_node_confidence).items():
                 trees[i] = tree
         return trees
 

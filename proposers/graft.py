@@ -46,7 +46,8 @@ import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
 from vllm_treespec.proposers._retrieval_base import check_datastore_option
-from vllm_treespec.proposers.eagle_tree import below_checkpoint
+from vllm_treespec.proposers.eagle_tree import DEFAULT_MIN_NODE_CONFIDENCE as EAGLE_DEFAULT_MIN_NODE_CONFIDENCE
+from vllm_treespec.proposers.eagle_tree import below_checkpoint, device_kind
 from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore
 
 logger = logging.getLogger("vllm.treespec")
@@ -65,11 +66,9 @@ DEFAULT_KNEE_TOKENS = {"cpu": 16, "other": 512}
 #: step), so a hinge at 16 tokens gave batches of 4 three nodes each and lost 15% to no speculation
 #: (`vllm-treespec bench serve`, README). Full budget alone, 3 nodes each for two requests, none from four.
 DEFAULT_CPU_BUDGET_TABLE = {1: 128, 2: 3, 4: 0}
-#: path confidence below which a node is not verified, by device. On 2 CPU cores a verified token costs ~2.4 ms of a
-#: ~50 ms step, worth it only for nodes accepted about 1 time in 20 (scripts/bench_graft.py --confidence-floors:
-#: graft on the head 24.9 -> 27.0 tok/s at 0.05, 26.2 at 0.15; retrieval-only 25.8 / 26.0 / 25.8). GPUs verify
-#: hundreds of tokens at the cost of one.
-DEFAULT_MIN_NODE_CONFIDENCE = {"cpu": 0.05, "other": 0.0}
+#: path confidence below which a node is not verified, by device (shared with eagle_tree; retrieval-only graft
+#: measured 25.8 / 26.0 / 25.8 tok/s at floors 0 / 0.05 / 0.15)
+DEFAULT_MIN_NODE_CONFIDENCE = EAGLE_DEFAULT_MIN_NODE_CONFIDENCE
 #: largest batch for which the model drafter (EAGLE head) drafts, by device; larger batches get retrieval-only trees.
 #: On 2 CPU cores the head's levels cost more than they win once requests share the step (`bench serve`, README: at
 #: concurrency 2 the head at every batch 31.0 tok/s = 0.96x, at batch 1 only 43.7 = 1.35x); GPUs draft for any batch.
@@ -718,9 +717,9 @@ class GraftProposer(TreeProposer):
                                     expected_tokenizer=getattr(model_config, "tokenizer", None)).automaton
         self.sources = RetrievalSources(opts, vocab_size, corpus)
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-        device_kind = "cpu" if device == "cpu" else "other"  # key of the per-device defaults
+        kind = device_kind(vllm_config)  # key of the per-device defaults
         knee = opts.knee_tokens or (calibration.knee_tokens if calibration and calibration.knee_tokens else
-                                    DEFAULT_KNEE_TOKENS[device_kind])
+                                    DEFAULT_KNEE_TOKENS[kind])
         table = None
         if opts.knee_tokens is None:
             if calibration is not None:
@@ -729,12 +728,11 @@ class GraftProposer(TreeProposer):
                 table = DEFAULT_CPU_BUDGET_TABLE
         self.max_budget = opts.budget or self.max_nodes or 0
         self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
-                                    DEFAULT_MIN_NODE_CONFIDENCE[device_kind])
+                                    DEFAULT_MIN_NODE_CONFIDENCE[kind])
         if opts.model_draft_max_batch is not None:
             self.model_draft_max_batch = opts.model_draft_max_batch
         else:
-            self.model_draft_max_batch = DEFAULT_MODEL_DRAFT_MAX_BATCH["other" if not opts.adaptive_budget else
-                                                                       device_kind]
+            self.model_draft_max_batch = DEFAULT_MODEL_DRAFT_MAX_BATCH["other" if not opts.adaptive_budget else kind]
         self.budget_curve = BudgetCurve(self.max_budget or 1, adaptive=opts.adaptive_budget, knee_tokens=knee,
                                         min_budget=opts.min_budget, table=table)
         self.drafter = drafter if drafter is not None else load_model_drafter(

@@ -21,15 +21,16 @@ LIMIT=${LIMIT:-2}
 N=${BUDGET:-16}
 D=${DEPTH:-6}
 T=${TOP_K:-8}
-opts() { echo "\"checkpoint\":\"$1\",\"num_speculative_tokens\":$N,\"depth\":$D,\"top_k\":$T"; }
+# floor 0: every head fills the same budget (the CPU default floor would verify only likely nodes)
+opts() { echo "\"checkpoint\":\"$1\",\"num_speculative_tokens\":$N,\"depth\":$D,\"top_k\":$T,\"min_node_confidence\":0"; }
 METHODS="none"
 METHODS+=";eagle_tree=eagle_tree:{$(opts "$EAGLE")}"
 METHODS+=";kv_aware_hybrid=kv_aware:{$(opts "$HYBRID")}"
 METHODS+=";kv_aware_kv=kv_aware:{$(opts "$KV")}"
 if [ "${CHAINS:-1}" = 1 ]; then  # the same head as a depth-5 chain: ours (top_k=1) vs vLLM's own eagle3
   METHODS+=";eagle3_k5=eagle3:{\"model\":\"$EAGLE\",\"num_speculative_tokens\":5}"
-  METHODS+=";eagle_chain5=eagle_tree:{\"checkpoint\":\"$EAGLE\",\"num_speculative_tokens\":5,\"depth\":5,\"top_k\":1}"
-  METHODS+=";kv_hybrid_chain5=kv_aware:{\"checkpoint\":\"$HYBRID\",\"num_speculative_tokens\":5,\"depth\":5,\"top_k\":1}"
+  METHODS+=";eagle_chain5=eagle_tree:{\"checkpoint\":\"$EAGLE\",\"num_speculative_tokens\":5,\"depth\":5,\"top_k\":1,\"min_node_confidence\":0}"
+  METHODS+=";kv_hybrid_chain5=kv_aware:{\"checkpoint\":\"$HYBRID\",\"num_speculative_tokens\":5,\"depth\":5,\"top_k\":1,\"min_node_confidence\":0}"
 fi
 METHODS+=";graft_eagle=graft:{\"eagle_checkpoint\":\"$EAGLE\",\"num_speculative_tokens\":$N}"
 METHODS+=";graft_hybrid=graft:{\"eagle_checkpoint\":\"$HYBRID\",\"num_speculative_tokens\":$N}"

@@ -66,6 +66,8 @@ BAD_CONFIGS = [
      ["checkpoint", "no such file"]),
     ("eagle-checkpoint-not-a-head", {"method": "eagle_tree", "checkpoint": "/"}, ["checkpoint", "config.json"]),
     ("eagle-depth-zero", {"method": "eagle_tree", "checkpoint": "/nonexistent/head", "depth": 0}, ["depth", ">= 1"]),
+    ("eagle-floor-range", {"method": "eagle_tree", "checkpoint": "/nonexistent/head", "min_node_confidence": 1.5},
+     ["min_node_confidence", "[0, 1)"]),
     ("eagle-top-k-type", {"method": "eagle_tree", "top_k": "8"}, ["top_k", "Expected `int`"]),
     ("eagle-dtype", {"method": "eagle_tree", "dtype": "int8"}, ["dtype"]),
     ("kv-aware-checkpoint-missing", {"method": "kv_aware", "checkpoint": "/nonexistent/head"},

@@ -236,3 +236,28 @@ def test_checkpoint_stop_ends_expansion_where_the_best_path_is_unlikely(tmp_path
     assert np.all(scores >= best_depth2 - 1e-6) and stopped.num_nodes < 16
     root_only = drafter.draft(ctx, [0], budget=16, stop_below={1: 1.0})[0]
     assert root_only.num_nodes == 1 and root_only.token_ids[0] == full.token_ids[np.argmax(_path_log_scores(full))]
+
+
+@pytest.mark.parametrize("floor", [0.02, 0.1, 0.3])
+def test_confidence_floor_keeps_exactly_the_likely_nodes_and_expands_fewer_rows(tmp_path, floor):
+    """``min_confidence``: the tree must be the unfloored tree's nodes whose path probability is at least the floor
+    (closed under parents, same order), with no head rows spent expanding nodes below it."""
+    drafter, ctx = _ingested_drafter(tmp_path, seed=6, depth=6, top_k=8)
+    with torch.no_grad():
+        drafter.head.lm_head.weight.mul_(4.0)  # peaky, so the floor cuts inside the tree, not at its root
+    drafter.expanded_rows = 0
+    full = drafter.draft(ctx, [0], budget=24)[0]
+    full_rows, drafter.expanded_rows = drafter.expanded_rows, 0
+    floored = drafter.draft(ctx, [0], budget=24, min_confidence=floor)[0]
+    scores = _path_log_scores(full)
+    kept = np.flatnonzero(scores >= np.log(floor))
+    assert 0 < kept.size < full.num_nodes, "the floor should cut this tree"
+    remap = {int(old): new for new, old in enumerate(kept)}
+    assert floored.token_ids.tolist() == full.token_ids[kept].tolist()
+    assert floored.parents.tolist() == [-1 if p < 0 else remap[int(p)] for p in full.parents[kept]]
+    assert floored.node_probs == pytest.approx(full.node_probs[kept], rel=1e-5)
+    assert drafter.expanded_rows < full_rows
+    _, path = small_head(tmp_path / "options")
+    with pytest.raises(ValueError, match="min_node_confidence.*0 fills the budget"):
+        EagleTreeOptions(checkpoint=path, min_node_confidence=1.0)
+    assert EagleTreeOptions(checkpoint=path, min_node_confidence=0.0).min_node_confidence == 0.0

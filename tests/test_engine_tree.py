@@ -218,7 +218,7 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
     """KV-aware trees (the hybrid head reads the target's paged KV cache every step)."""
     head, trained = _draft_head(model, tmp_path / "head", "hybrid")
     llm = make_llm(model, {"method": "kv_aware", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
-                           "top_k": 6})
+                           "top_k": 6, "min_node_confidence": 0})
     try:
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
@@ -267,8 +267,9 @@ def test_graft_on_head_under_changing_load_greedy_identical(base, model, prompts
 
 def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
     head, trained = _draft_head(model, tmp_path / "head")
+    # floor 0: fill the budget (the CPU default floor would verify only the likely nodes: smaller trees)
     llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
-                           "top_k": 6})
+                           "top_k": 6, "min_node_confidence": 0})
     try:
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
