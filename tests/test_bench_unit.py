@@ -129,3 +129,44 @@ def test_bench_rejects_bad_arguments(capsys):
     assert "--batch-size must be >= 1" in capsys.readouterr().err
     assert bench.main(["--prompts", "no_such_set", "--methods", "none"]) == 2
     assert "--prompts: unknown prompt set 'no_such_set'" in capsys.readouterr().err
+
+
+def _serve_entry(label: str, rates: dict[str, float], pid: int) -> dict:
+    level = lambda rate: {"requests": 4, "succeeded": 4, "output_tok_per_s": rate, "requests_per_s": rate / 100,  # noqa: E731
+                          "ttft_s": {"p50": 0.1, "p99": 0.2}, "itl_s": {"p50": 0.05, "p99": 0.1},
+                          "tpot_s": {"p50": 0.05}, "tokens_per_chunk": 1.0, "marker": pid}
+    return {"label": label, "method": label, "status": "ok", "port": 8000 + pid, "server_pid": pid,
+            "levels": {c: level(r) for c, r in rates.items()}}
+
+
+def test_bench_serve_repeats_report_the_median_round_and_ratios():
+    from vllm_treespec.bench_serve import add_ratios, format_table, merge_rounds
+
+    none = merge_rounds([_serve_entry("none", {"1": 20.0, "4": 60.0}, 1),
+                         _serve_entry("none", {"1": 10.0, "4": 70.0}, 2),
+                         _serve_entry("none", {"1": 15.0, "4": 50.0}, 3)])
+    # per level the median round's own stats (not a mix of rounds), with every round's rate
+    assert none["levels"]["1"]["output_tok_per_s"] == 15.0 and none["levels"]["1"]["marker"] == 3
+    assert none["levels"]["4"]["output_tok_per_s"] == 60.0 and none["levels"]["4"]["marker"] == 1
+    assert none["levels"]["1"]["rounds_tok_per_s"] == [20.0, 10.0, 15.0]
+    assert none["rounds"] == 3 and none["server_pids"] == [1, 2, 3]
+    # an even count takes the lower median: a real round, never an average
+    graft = merge_rounds([_serve_entry("graft", {"1": 30.0, "4": 57.0}, 4),
+                          _serve_entry("graft", {"1": 24.0, "4": 66.0}, 5)])
+    assert graft["levels"]["1"]["output_tok_per_s"] == 24.0 and graft["levels"]["4"]["output_tok_per_s"] == 57.0
+    broken = merge_rounds([_serve_entry("x", {"1": 1.0}, 6), {"label": "x", "status": "failed", "reason": "boom"}])
+    assert broken["status"] == "failed" and broken["reason"] == "boom"
+    methods = [none, graft, broken]
+    add_ratios(methods)
+    assert graft["levels"]["1"]["vs_none"] == pytest.approx(24.0 / 15.0)
+    assert graft["levels"]["4"]["vs_none"] == pytest.approx(57.0 / 60.0)
+    assert none["levels"]["4"]["vs_none"] == pytest.approx(1.0)
+    table = format_table(methods)
+    assert "1.60x" in table and "0.95x" in table and "30.0 / 24.0" in table and "boom" in table
+
+
+def test_bench_serve_rejects_bad_repeats(capsys):
+    from vllm_treespec.bench_serve import main
+
+    assert main(["--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err

@@ -7,6 +7,10 @@ requests (at least the concurrency) with at most ``concurrency`` in flight. Repo
 tokens/s, requests/s, TTFT and inter-token latency (gap between streamed chunks; a chunk can carry several tokens
 when drafts are accepted) percentiles, and time per output token. The server is always stopped, its whole process
 group, whatever happens. Output: a table, results.json and PNG plots (throughput, TTFT p50 and ITL p50 per level).
+
+This machine's speed drifts over minutes, so ``--repeats R`` runs R rounds, every method once per round in turn
+(a fresh server each time, the same prompts), and reports per method and level the round with the median output
+tok/s, every round's figure, and the ratio to no speculation's median.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -105,20 +110,51 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     return entry
 
 
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's entries from several rounds -> one entry: per level the stats of the round with the median
+    output tok/s (the lower median for an even count), plus every round's tok/s under ``rounds_tok_per_s``. A
+    method that failed in any round is reported failed with that round's reason."""
+    failed = [r for r in rounds if r["status"] != "ok"]
+    if failed:
+        return {**failed[0], "rounds": len(rounds)}
+    merged = {**rounds[0], "levels": {}, "rounds": len(rounds), "server_pids": [r["server_pid"] for r in rounds],
+              "ports": [r["port"] for r in rounds]}
+    for level in rounds[0]["levels"]:
+        per_round = [r["levels"][level] for r in rounds]
+        rates = [s["output_tok_per_s"] for s in per_round]
+        median = statistics.median_low(rates)
+        merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates}
+    return merged
+
+
+def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
+    """``vs_none`` per level: output tok/s over the baseline's at the same level (both medians with --repeats)."""
+    base = next((m for m in methods if m["label"] == baseline and m["status"] == "ok"), None)
+    for m in methods:
+        if m["status"] != "ok" or base is None:
+            continue
+        for level, s in m["levels"].items():
+            b = base["levels"].get(level)
+            if b and b["output_tok_per_s"] > 0:
+                s["vs_none"] = s["output_tok_per_s"] / b["output_tok_per_s"]
+
+
 def format_table(methods: list[dict[str, Any]]) -> str:
-    header = ["method", "conc", "ok/sent", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-              "TPOT p50", "tok/chunk"]
+    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
+              "ITL p99", "TPOT p50", "tok/chunk", "rounds tok/s"]
     table = [header]
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
     for m in methods:
         if m["status"] != "ok":
-            table.append([m["label"], "", m["status"], m.get("reason", "")[:50]] + [""] * 7)
+            table.append([m["label"], "", m["status"], m.get("reason", "")[:50]] + [""] * (len(header) - 4))
             continue
         for level, s in m["levels"].items():
+            ratio = f"{s['vs_none']:.2f}x" if "vs_none" in s else "-"
+            rounds = " / ".join(f"{v:.1f}" for v in s.get("rounds_tok_per_s", []))
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
-                          f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
+                          ratio, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
                           ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
-                          f"{s['tokens_per_chunk']:.2f}"])
+                          f"{s['tokens_per_chunk']:.2f}", rounds or "-"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]
@@ -167,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile in the server")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds, every method once per round in turn (fresh "
+                        "servers); per level the median round is reported")
     parser.add_argument("--out", default="bench_out/serve", help="folder for results.json, serve.png, server logs")
     return parser
 
@@ -180,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"vllm-treespec bench serve: --concurrency must be positive integers, got {args.concurrency!r}",
               file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"vllm-treespec bench serve: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
     try:
         specs = parse_methods(args.methods)
@@ -199,13 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    methods = []
-    for spec in specs:
-        reason = unavailable_reason(spec)
-        if reason:
-            methods.append({"label": spec.label, "method": spec.method, "status": "skipped", "reason": reason})
-            continue
-        methods.append(run_method(spec, prompts, args, out_dir))
+    skipped = {spec.label: unavailable_reason(spec) for spec in specs}
+    rounds: dict[str, list[dict[str, Any]]] = {spec.label: [] for spec in specs}
+    for r in range(args.repeats):
+        for spec in specs:
+            if skipped[spec.label]:
+                continue
+            if args.repeats > 1:
+                print(f"round {r + 1}/{args.repeats}: {spec.label}", file=sys.stderr)
+            rounds[spec.label].append(run_method(spec, prompts, args, out_dir))
+    methods = [{"label": spec.label, "method": spec.method, "status": "skipped", "reason": skipped[spec.label]}
+               if skipped[spec.label] else merge_rounds(rounds[spec.label]) for spec in specs]
+    add_ratios(methods)
     report = {"config": {k: v for k, v in vars(args).items()}, "methods": methods}
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     table = format_table(methods)
