@@ -161,8 +161,18 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
     assert graft["levels"]["1"]["vs_none"] == pytest.approx(24.0 / 15.0)
     assert graft["levels"]["4"]["vs_none"] == pytest.approx(57.0 / 60.0)
     assert none["levels"]["4"]["vs_none"] == pytest.approx(1.0)
-    table = format_table(methods)
-    assert "1.60x" in table and "0.95x" in table and "30.0 / 24.0" in table and "boom" in table
+    # the baseline has 3 rounds, graft 2: no paired ratio; pair two 3-round methods instead
+    assert "vs_none_paired" not in graft["levels"]["1"]
+    other = merge_rounds([_serve_entry("other", {"1": 40.0, "4": 60.0}, 7),
+                          _serve_entry("other", {"1": 10.0, "4": 140.0}, 8),
+                          _serve_entry("other", {"1": 30.0, "4": 50.0}, 9)])
+    add_ratios([none, other])
+    assert other["levels"]["1"]["rounds_vs_none"] == pytest.approx([2.0, 1.0, 2.0])
+    assert other["levels"]["1"]["vs_none_paired"] == pytest.approx(2.0)  # the median of 30 / 15 would say 2.0 too
+    assert other["levels"]["4"]["vs_none_paired"] == pytest.approx(1.0)  # rounds 1.0 / 2.0 / 1.0
+    assert other["levels"]["4"]["vs_none"] == pytest.approx(1.0)
+    table = format_table(methods + [other])
+    assert "2.00x" in table and "1.60x" in table and "0.95x" in table and "30.0 / 24.0" in table and "boom" in table
 
 
 def test_bench_serve_rejects_bad_repeats(capsys):

@@ -10,7 +10,8 @@ group, whatever happens. Output: a table, results.json and PNG plots (throughput
 
 This machine's speed drifts over minutes, so ``--repeats R`` runs R rounds, every method once per round in turn
 (a fresh server each time, the same prompts), and reports per method and level the round with the median output
-tok/s, every round's figure, and the ratio to no speculation's median.
+tok/s, every round's figure, the ratio to no speculation's median, and the median of the per-round ratios (each
+round against no speculation's same round, run just before it: the drift between rounds cancels).
 """
 
 from __future__ import annotations
@@ -128,7 +129,9 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
-    """``vs_none`` per level: output tok/s over the baseline's at the same level (both medians with --repeats)."""
+    """``vs_none`` per level: output tok/s over the baseline's at the same level (both medians with --repeats).
+    With rounds, also ``rounds_vs_none`` (each round against the baseline's same round, which ran just before it:
+    the machine's drift cancels) and their median ``vs_none_paired``."""
     base = next((m for m in methods if m["label"] == baseline and m["status"] == "ok"), None)
     for m in methods:
         if m["status"] != "ok" or base is None:
@@ -137,11 +140,15 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
             b = base["levels"].get(level)
             if b and b["output_tok_per_s"] > 0:
                 s["vs_none"] = s["output_tok_per_s"] / b["output_tok_per_s"]
+            mine, theirs = s.get("rounds_tok_per_s", []), (b or {}).get("rounds_tok_per_s", [])
+            if len(mine) > 1 and len(mine) == len(theirs) and min(theirs) > 0:
+                s["rounds_vs_none"] = [x / y for x, y in zip(mine, theirs)]
+                s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
 
 
 def format_table(methods: list[dict[str, Any]]) -> str:
-    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
-              "ITL p99", "TPOT p50", "tok/chunk", "rounds tok/s"]
+    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "req/s", "TTFT p50", "TTFT p99",
+              "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "rounds tok/s"]
     table = [header]
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
     for m in methods:
@@ -150,9 +157,10 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             continue
         for level, s in m["levels"].items():
             ratio = f"{s['vs_none']:.2f}x" if "vs_none" in s else "-"
+            paired = f"{s['vs_none_paired']:.2f}x" if "vs_none_paired" in s else "-"
             rounds = " / ".join(f"{v:.1f}" for v in s.get("rounds_tok_per_s", []))
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
-                          ratio, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
+                          ratio, paired, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
                           ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
                           f"{s['tokens_per_chunk']:.2f}", rounds or "-"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
