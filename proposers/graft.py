@@ -46,8 +46,7 @@ import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
 from vllm_treespec.proposers._retrieval_base import check_datastore_option
-from vllm_treespec.proposers.eagle_tree import DEFAULT_MIN_NODE_CONFIDENCE as EAGLE_DEFAULT_MIN_NODE_CONFIDENCE
-from vllm_treespec.proposers.eagle_tree import below_checkpoint, device_kind
+from vllm_treespec.proposers.eagle_tree import DEFAULT_MIN_NODE_CONFIDENCE, below_checkpoint, device_kind
 from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore
 
 logger = logging.getLogger("vllm.treespec")
@@ -66,9 +65,6 @@ DEFAULT_KNEE_TOKENS = {"cpu": 16, "other": 512}
 #: step), so a hinge at 16 tokens gave batches of 4 three nodes each and lost 15% to no speculation
 #: (`vllm-treespec bench serve`, README). Full budget alone, 3 nodes each for two requests, none from four.
 DEFAULT_CPU_BUDGET_TABLE = {1: 128, 2: 3, 4: 0}
-#: path confidence below which a node is not verified, by device (shared with eagle_tree; retrieval-only graft
-#: measured 25.8 / 26.0 / 25.8 tok/s at floors 0 / 0.05 / 0.15)
-DEFAULT_MIN_NODE_CONFIDENCE = EAGLE_DEFAULT_MIN_NODE_CONFIDENCE
 #: largest batch for which the model drafter (EAGLE head) drafts, by device; larger batches get retrieval-only trees.
 #: On 2 CPU cores the head's levels cost more than they win once requests share the step (`bench serve`, README: at
 #: concurrency 2 the head at every batch 31.0 tok/s = 0.96x, at batch 1 only 43.7 = 1.35x); GPUs draft for any batch.
@@ -716,7 +712,6 @@ class GraftProposer(TreeProposer):
             corpus = load_datastore(opts.datastore, model_vocab_size=vocab_size if model_config else None,
                                     expected_tokenizer=getattr(model_config, "tokenizer", None)).automaton
         self.sources = RetrievalSources(opts, vocab_size, corpus)
-        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
         kind = device_kind(vllm_config)  # key of the per-device defaults
         knee = opts.knee_tokens or (calibration.knee_tokens if calibration and calibration.knee_tokens else
                                     DEFAULT_KNEE_TOKENS[kind])
@@ -724,7 +719,7 @@ class GraftProposer(TreeProposer):
         if opts.knee_tokens is None:
             if calibration is not None:
                 table = calibration.budget_by_batch
-            elif device == "cpu":
+            elif kind == "cpu":
                 table = DEFAULT_CPU_BUDGET_TABLE
         self.max_budget = opts.budget or self.max_nodes or 0
         self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else

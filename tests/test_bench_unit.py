@@ -168,7 +168,7 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
                           _serve_entry("other", {"1": 30.0, "4": 50.0}, 9)])
     add_ratios([none, other])
     assert other["levels"]["1"]["rounds_vs_none"] == pytest.approx([2.0, 1.0, 2.0])
-    assert other["levels"]["1"]["vs_none_paired"] == pytest.approx(2.0)  # the median of 30 / 15 would say 2.0 too
+    assert other["levels"]["1"]["vs_none_paired"] == pytest.approx(2.0)  # rounds 2.0 / 1.0 / 2.0
     assert other["levels"]["4"]["vs_none_paired"] == pytest.approx(1.0)  # rounds 1.0 / 2.0 / 1.0
     assert other["levels"]["4"]["vs_none"] == pytest.approx(1.0)
     table = format_table(methods + [other])

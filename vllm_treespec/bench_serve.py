@@ -113,8 +113,9 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One method's entries from several rounds -> one entry: per level the stats of the round with the median
-    output tok/s (the lower median for an even count), plus every round's tok/s under ``rounds_tok_per_s``. A
-    method that failed in any round is reported failed with that round's reason."""
+    output tok/s (the lower median for an even count), plus every round's tok/s under ``rounds_tok_per_s``; the
+    per-server fields (startup, RSS) are the first round's. A method that failed in any round is reported failed
+    with that round's reason."""
     failed = [r for r in rounds if r["status"] != "ok"]
     if failed:
         return {**failed[0], "rounds": len(rounds)}
