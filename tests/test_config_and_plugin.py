@@ -58,13 +58,14 @@ def test_vllm_methods_pass_through_and_dotted_paths_select_tree_mode():
 
 def test_patch_signatures_match_installed_vllm():
     from vllm_treespec.patches import EXPECTED_SIGNATURES, check_signatures, engine_args, model_runner
-    from vllm_treespec.patches import rejection_sampler, topk_topp_sampler
+    from vllm_treespec.patches import rejection_sampler, topk_topp_sampler, triton_dispatcher
 
     engine_args.apply()
     model_runner.apply()
     rejection_sampler.apply()
     topk_topp_sampler.apply()
-    assert len(EXPECTED_SIGNATURES) == 10
+    triton_dispatcher.apply()
+    assert len(EXPECTED_SIGNATURES) == 11
     assert check_signatures() == []
 
 
@@ -142,3 +143,59 @@ def test_tensor_parallel_tree_mode_is_rejected_clearly():
     check_parallelism(SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1))
     with pytest.raises(TreeSpecConfigError, match="tensor_parallel_size=1"):
         check_parallelism(SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+
+
+def test_cpu_kernel_rebind_survives_llvmlite_imported():
+    """vLLM's CPU kernel-override scan crashes on llvmlite's ffi.lib (imported with numba); the patch hides it."""
+    import types
+
+    import numba  # noqa: F401 - imports llvmlite.binding, whose ffi.lib vLLM's scan cannot read
+    from llvmlite.binding import ffi
+    from vllm.triton_utils import dispatcher
+
+    from vllm_treespec.patches import ORIGINALS, triton_dispatcher
+
+    triton_dispatcher.apply()
+    original = ORIGINALS[(dispatcher, "_rebind_kernels")]
+    assert (ffi, "lib", ffi.lib) in [(m, n, v) for m, n, v in triton_dispatcher.unscannable_attributes()]
+    with pytest.raises(AttributeError, match="get"):
+        original([])  # vLLM's own scan, unpatched
+    kernel, wrapper, lib = object(), object(), ffi.lib
+    holder = types.ModuleType("treespec_kernel_holder")
+    holder.kernel_copy = kernel
+    sys.modules[holder.__name__] = holder
+    try:
+        dispatcher._rebind_kernels([(kernel, wrapper)])
+    finally:
+        del sys.modules[holder.__name__]
+    assert holder.kernel_copy is wrapper  # the scan still rebinds kernels
+    assert ffi.lib is lib  # and the hidden attribute is back
+
+
+@pytest.mark.engine
+def test_in_process_engine_runs_a_numba_tree_method():
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker starts in the process that already imported numba (graft's
+    config check loads the retrieval store); the engine must start, draft and stay exact (SmolLM2, fp32)."""
+    from engine_helpers import chat_prompts
+
+    from vllm_treespec.models import ensure_smollm2
+
+    model = str(ensure_smollm2())
+    code = f"""
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            params = SamplingParams(temperature=0, max_tokens=48)
+            outputs = []
+            for spec in (None, {{"method": "graft", "num_speculative_tokens": 8}}):
+                llm = LLM(model={model!r}, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+                          speculative_config=spec, disable_log_stats=False)
+                got = llm.generate({chat_prompts(model, limit_mt=2, limit_he=0)!r}, params, use_tqdm=False)
+                outputs.append([list(o.outputs[0].token_ids) for o in got])
+                drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+            print("IDENTICAL", outputs[0] == outputs[1], "DRAFTS", drafts)
+        """
+    result = _run(code, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert "IDENTICAL True" in result.stdout, result.stderr[-3000:]
+    assert int(float(result.stdout.split("DRAFTS")[1].split()[0])) > 0  # graft really drafted
