@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 from vllm_treespec.retrieval import DatastoreError, Retriever, check_datastore
+from vllm_treespec.retrieval.warmup import compile_kernels
+
+logger = logging.getLogger("vllm.treespec")
+
+
+def compile_retrieval_kernels() -> None:
+    """At engine start-up (``load_model``), not inside the first requests: see :mod:`vllm_treespec.retrieval.warmup`."""
+    seconds = compile_kernels()
+    if seconds:
+        logger.info("vllm_treespec: retrieval kernels compiled or loaded from numba's cache in %.1f s", seconds)
 
 
 def check_positive(method: str, opts: Any, *names: str) -> None:
@@ -37,6 +48,10 @@ class RetrievalTreeProposer(TreeProposer):
     """Subclasses build ``self.retriever`` in ``__init__``. ``options.max_nodes`` caps trees (None = verify budget)."""
 
     retriever: Retriever
+
+    def load_model(self, model: Any) -> None:
+        super().load_model(model)
+        compile_retrieval_kernels()
 
     def budget(self, ctx: ProposeContext) -> int:
         limit = self.options.max_nodes

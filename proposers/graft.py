@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
-from vllm_treespec.proposers._retrieval_base import check_datastore_option
+from vllm_treespec.proposers._retrieval_base import check_datastore_option, compile_retrieval_kernels
 from vllm_treespec.proposers.eagle_tree import DEFAULT_MIN_NODE_CONFIDENCE, below_checkpoint, device_kind
 from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever, load_datastore
 
@@ -882,6 +882,7 @@ class GraftProposer(TreeProposer):
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)
+        compile_retrieval_kernels()
         if self.drafter is not None:
             self.drafter.load_model(model)
 

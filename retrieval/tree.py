@@ -45,7 +45,8 @@ class RetrievedTree(NamedTuple):
 
     def path_scores(self) -> np.ndarray:
         """Path probability of every node (product of ``probs`` from the root)."""
-        return _path_scores(self.parents, self.probs)
+        # one kernel signature whatever the caller's dtypes (float32 probs were promoted to float64 inside anyway)
+        return _path_scores(np.ascontiguousarray(self.parents, np.int32), np.ascontiguousarray(self.probs, np.float64))
 
     def depths(self) -> np.ndarray:
         d = np.zeros(self.num_nodes, np.int32)

@@ -55,3 +55,10 @@ def spec_counters(llm) -> dict[str, object]:
 
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def retrieval_kernel_signatures(worker) -> dict[str, int]:
+    """For ``LLM.collective_rpc``: compiled signatures of the retrieval store's numba kernels in the worker."""
+    from vllm_treespec.retrieval.warmup import kernel_signatures
+
+    return kernel_signatures()

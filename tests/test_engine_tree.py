@@ -279,3 +279,25 @@ def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 20 * counters["num_drafts"]  # trees
     if trained:
         assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5, counters  # tau > 1.5
+
+
+def test_retrieval_kernels_compile_at_startup_not_in_requests(base, model, prompts, monkeypatch):
+    """graft compiles the retrieval store's numba kernels when the engine loads: serving requests (batch 1 and 4,
+    finished outputs feeding the global store) compiles nothing more, and the output stays exact."""
+    from engine_helpers import retrieval_kernel_signatures
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the function by pickle
+    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16})
+    try:
+        at_startup = llm.collective_rpc(retrieval_kernel_signatures)[0]
+        assert at_startup and all(at_startup[k] > 0 for k in (
+            "vllm_treespec.retrieval.sam._extend", "vllm_treespec.retrieval.sam._match_dynamic",
+            "vllm_treespec.retrieval.tree.extract_tree", "vllm_treespec.retrieval.ngram._lookup",
+            "vllm_treespec.retrieval.successor._tree", "vllm_treespec.retrieval.tree._merge_kernel"))
+        got = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in prompts[:3]]
+        got += token_ids(llm.generate(prompts[3:7], greedy(), use_tqdm=False))
+        assert spec_counters(llm)["num_accepted_tokens"] > 0
+        assert llm.collective_rpc(retrieval_kernel_signatures)[0] == at_startup
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(prompts[:7], greedy(), use_tqdm=False))
