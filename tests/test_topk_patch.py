@@ -70,3 +70,44 @@ def test_top_k_then_top_p_keeps_exactly_what_vllm_keeps(case):
 
         fast = topk_topp_sampler.top_k_then_top_p(logits.clone(), k.clone(), p.clone(), no_sort, True)
         assert torch.equal(fast, want)
+
+
+@pytest.mark.parametrize("case", ["peaked", "flat", "mixed rows", "ties", "masked entries"])
+def test_top_p_alone_keeps_exactly_what_vllm_keeps(case):
+    """The top-p-only path (nucleus searched in each row's most likely tokens) against vLLM's full sort."""
+    import torch
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    from vllm_treespec.patches import topk_topp_sampler
+
+    topk_topp_sampler.apply()
+    original = tts.apply_top_k_top_p_pytorch.__vllm_treespec_original__
+    generator = torch.Generator().manual_seed(2)
+    rows, vocab = 33, 8192
+    scale = {"flat": 0.5}.get(case, 6.0)
+    logits = torch.randn(rows, vocab, generator=generator) * scale
+    p = torch.rand(rows, generator=generator) * 0.5 + 0.45
+    if case == "mixed rows":  # flat rows and rows without top-p (p = 1) beside peaked ones: those go to the original
+        logits[::3] *= 0.1
+        p[::4] = 1.0
+    elif case == "ties":
+        logits = (logits * 0.5).round()
+    elif case == "masked entries":
+        logits[:, ::2] = -float("inf")
+        logits[3, :] = -float("inf")
+        logits[3, 5:8] = 1.0
+    got = tts.apply_top_k_top_p_pytorch(logits.clone(), None, p.clone(), allow_cpu_sync=True)
+    want = original(logits.clone(), None, p.clone(), allow_cpu_sync=True)
+    kept = torch.isfinite(got).sum(dim=1)
+    assert torch.equal(kept, torch.isfinite(want).sum(dim=1)) and int(kept.min()) >= 1
+    if case == "ties":  # which of equal logits survive a cut through them is the sort's arbitrary order
+        assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    else:
+        assert torch.equal(got, want)
+    if case == "peaked":  # every row's nucleus is in its head: vLLM's full sort is never called
+        def no_sort(*args):
+            raise AssertionError("fell back to vLLM's full sort")
+
+        assert torch.equal(topk_topp_sampler.top_p_in_head(logits.clone(), p.clone(), no_sort, True), want)
+    if case == "flat":  # the nucleus is wider than the head: the original answers
+        assert int(kept.min()) > topk_topp_sampler.TOP_P_HEAD_COLUMNS

@@ -14,6 +14,12 @@ masks below each row's k-th largest logit and applies top-p to the survivors onl
 a logit beyond those columns (the original keeps every tie) is masked on the full row and gets top-p from the
 original. Same kept set as the original up to float rounding at the top-p boundary (the survivors' softmax is summed
 in another order); the original handles every other case, including callers that forbid a CPU sync.
+
+Top-p *alone* (the usual chat setting, e.g. temperature 0.7 / top-p 0.9) sorted every row too: 46 ms per call for
+17 rows of SmolLM2's 49,152-token vocabulary on 2 cores, twice per tree step (a ~60 ms forward). When the tokens
+outside a row's ``TOP_P_HEAD_COLUMNS`` most likely ones hold at most 1 - p of its mass and are all strictly less
+likely, vLLM drops all of them whatever the order, so the wrapper finds the cut among the head only (3.1 ms for the
+same 17 peaked rows); other rows (flat distributions, ties at the head's edge, p = 1) go to the original.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from vllm_treespec.patches import is_patched, wrap_function
 
 # Above this max(k) (as a fraction of the vocabulary) topk costs about as much as a full sort: leave it to the original.
 MAX_SURVIVORS_FRACTION = 1 / 16
+# Top-p alone looks for the nucleus among this many most likely tokens of a row before sorting the whole row.
+TOP_P_HEAD_COLUMNS = 256
 
 
 def apply() -> None:
@@ -41,8 +49,10 @@ def apply() -> None:
 
     @wrap_function(topk_topp_sampler, "apply_top_k_top_p_pytorch", ("logits", "k", "p", "allow_cpu_sync"))
     def apply_top_k_top_p_pytorch(original, logits, k, p, allow_cpu_sync=False):
-        if k is None or p is None or logits.shape[0] == 0 or not allow_cpu_sync:  # max(k) and ties need a sync
+        if p is None or logits.shape[0] == 0 or not allow_cpu_sync:  # max(k), ties and masses need a sync
             return original(logits, k, p, allow_cpu_sync)
+        if k is None:
+            return top_p_in_head(logits, p, original, allow_cpu_sync)
         return top_k_then_top_p(logits, k, p, original, allow_cpu_sync)
 
 
@@ -68,3 +78,35 @@ def top_k_then_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, ori
     drop[:, -1] = False  # at least one token
     values.masked_fill_(drop, -float("inf"))
     return logits.fill_(-float("inf")).scatter_(1, index, values)
+
+
+def top_p_in_head(logits: torch.Tensor, p: torch.Tensor, original, allow_cpu_sync: bool) -> torch.Tensor:
+    """Top-p alone (in place, like the original) over the ``TOP_P_HEAD_COLUMNS`` most likely tokens of each row.
+
+    vLLM drops the tokens whose ascending cumulative probability is <= 1 - p. When the tokens outside the head hold
+    at most 1 - p of the mass and are all strictly less likely than the head's last token, they are dropped whatever
+    the order, so the cut lies inside the head: the head's ascending cumulative sum starts from the tail's mass.
+    Rows where that does not hold (a flat distribution, ties at the head's edge, -inf-masked rows) go to the original.
+    """
+    head = min(TOP_P_HEAD_COLUMNS, logits.shape[1] - 1)
+    values, index = logits.topk(head + 1, dim=1)  # descending; one extra column to see ties at the head's edge
+    probs = (values[:, :-1] - logits.logsumexp(dim=1, keepdim=True)).exp()
+    tail = 1 - probs.sum(dim=1)
+    inside = (tail <= 1 - p) & (values[:, -2] > values[:, -1])
+    if not bool(inside.all()):
+        outside = torch.nonzero(~inside).squeeze(1)
+        logits[outside] = original(logits[outside], None, p[outside], allow_cpu_sync)
+        rows = torch.nonzero(inside).squeeze(1)
+        if rows.numel() == 0:
+            return logits
+        values, index, probs, tail, p = values[rows], index[rows], probs[rows], tail[rows], p[rows]
+    else:
+        rows = None
+    values, index, probs = values[:, :-1].flip(1), index[:, :-1].flip(1), probs.flip(1)  # ascending
+    drop = tail.unsqueeze(1) + probs.cumsum(dim=-1) <= 1 - p.unsqueeze(1)
+    drop[:, -1] = False  # at least one token
+    values.masked_fill_(drop, -float("inf"))
+    if rows is None:
+        return logits.fill_(-float("inf")).scatter_(1, index, values)
+    logits[rows] = torch.full_like(values[:, :1], -float("inf")).expand(-1, logits.shape[1]).scatter(1, index, values)
+    return logits
