@@ -1,8 +1,19 @@
-"""The CPU top-k-only fix: zero rows no longer crash, other inputs give exactly vLLM's result (no engine)."""
+"""The CPU top-k / top-p patches: zero rows no longer crash, other inputs keep exactly what vLLM keeps (no engine)."""
 
 from __future__ import annotations
 
 import pytest
+
+
+@pytest.fixture
+def sampler():
+    """(vLLM's patched module, the original apply_top_k_top_p_pytorch, our patch module)."""
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    from vllm_treespec.patches import topk_topp_sampler
+
+    topk_topp_sampler.apply()
+    return tts, tts.apply_top_k_top_p_pytorch.__vllm_treespec_original__, topk_topp_sampler
 
 
 def test_top_k_only_with_zero_rows_and_unchanged_otherwise():
@@ -29,15 +40,11 @@ def test_top_k_only_with_zero_rows_and_unchanged_otherwise():
 
 
 @pytest.mark.parametrize("case", ["distinct", "ties", "masked entries", "a row without top-k", "k beyond the limit"])
-def test_top_k_then_top_p_keeps_exactly_what_vllm_keeps(case):
+def test_top_k_then_top_p_keeps_exactly_what_vllm_keeps(case, sampler):
     """The fast top-k + top-p path (topk over the survivors instead of a full sort) against vLLM's original."""
     import torch
-    from vllm.v1.sample.ops import topk_topp_sampler as tts
 
-    from vllm_treespec.patches import topk_topp_sampler
-
-    topk_topp_sampler.apply()
-    original = tts.apply_top_k_top_p_pytorch.__vllm_treespec_original__
+    tts, original, topk_topp_sampler = sampler
     generator = torch.Generator().manual_seed(1)
     rows, vocab = 257, 4096
     logits = torch.randn(rows, vocab, generator=generator) * 3
@@ -73,15 +80,11 @@ def test_top_k_then_top_p_keeps_exactly_what_vllm_keeps(case):
 
 
 @pytest.mark.parametrize("case", ["peaked", "flat", "mixed rows", "ties", "masked entries"])
-def test_top_p_alone_keeps_exactly_what_vllm_keeps(case):
+def test_top_p_alone_keeps_exactly_what_vllm_keeps(case, sampler):
     """The top-p-only path (nucleus searched in each row's most likely tokens) against vLLM's full sort."""
     import torch
-    from vllm.v1.sample.ops import topk_topp_sampler as tts
 
-    from vllm_treespec.patches import topk_topp_sampler
-
-    topk_topp_sampler.apply()
-    original = tts.apply_top_k_top_p_pytorch.__vllm_treespec_original__
+    tts, original, topk_topp_sampler = sampler
     generator = torch.Generator().manual_seed(2)
     rows, vocab = 33, 8192
     scale = {"flat": 0.5}.get(case, 6.0)

@@ -93,6 +93,7 @@ def top_p_in_head(logits: torch.Tensor, p: torch.Tensor, original, allow_cpu_syn
     probs = (values[:, :-1] - logits.logsumexp(dim=1, keepdim=True)).exp()
     tail = 1 - probs.sum(dim=1)
     inside = (tail <= 1 - p) & (values[:, -2] > values[:, -1])
+    rows = None  # the rows answered here (None: all of them)
     if not bool(inside.all()):
         outside = torch.nonzero(~inside).squeeze(1)
         logits[outside] = original(logits[outside], None, p[outside], allow_cpu_sync)
@@ -100,8 +101,6 @@ def top_p_in_head(logits: torch.Tensor, p: torch.Tensor, original, allow_cpu_syn
         if rows.numel() == 0:
             return logits
         values, index, probs, tail, p = values[rows], index[rows], probs[rows], tail[rows], p[rows]
-    else:
-        rows = None
     values, index, probs = values[:, :-1].flip(1), index[:, :-1].flip(1), probs.flip(1)  # ascending
     drop = tail.unsqueeze(1) + probs.cumsum(dim=-1) <= 1 - p.unsqueeze(1)
     drop[:, -1] = False  # at least one token
