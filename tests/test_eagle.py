@@ -255,7 +255,9 @@ def test_confidence_floor_keeps_exactly_the_likely_nodes_and_expands_fewer_rows(
     remap = {int(old): new for new, old in enumerate(kept)}
     assert floored.token_ids.tolist() == full.token_ids[kept].tolist()
     assert floored.parents.tolist() == [-1 if p < 0 else remap[int(p)] for p in full.parents[kept]]
-    assert floored.node_probs == pytest.approx(full.node_probs[kept], rel=1e-5)
+    # same nodes, but the head ran them in batches of other sizes: fp32 GEMM rounding differs by batch shape (seen
+    # here: 1.4e-5 relative on one node of 21, on this machine's CPU, at the commit before this test changed too)
+    assert floored.node_probs == pytest.approx(full.node_probs[kept], rel=1e-4)
     assert drafter.expanded_rows < full_rows
     _, path = small_head(tmp_path / "options")
     with pytest.raises(ValueError, match="min_node_confidence.*0 fills the budget"):
