@@ -54,7 +54,7 @@ def device_kind(vllm_config: Any) -> str:
 
 
 def default_head_path() -> Path:
-    from vllm_treespec.models import default_cache_dir
+    from vllm_treespec.settings import default_cache_dir
 
     return default_cache_dir() / DEFAULT_HEAD_NAME
 
@@ -62,7 +62,7 @@ def default_head_path() -> Path:
 def default_kv_head_path(mode: str) -> Path:
     """Where ``vllm-treespec train-eagle --mode MODE`` writes the KV-aware head for the embedded model by default
     (mode "hidden" is the EAGLE-3 head)."""
-    from vllm_treespec.models import default_cache_dir
+    from vllm_treespec.settings import default_cache_dir
 
     return default_head_path() if mode == "hidden" else default_cache_dir() / f"kv-aware-smollm2-135m-{mode}"
 
@@ -201,7 +201,7 @@ class EagleDrafter:
     def load(self, embed, target_dtype=None) -> None:
         import torch
 
-        from vllm_treespec.eagle.model import load_draft_head
+        from vllm_treespec.eagle.checkpoint import load_draft_head
 
         if self.dtype_name == "auto":
             dtype = target_dtype or torch.float32

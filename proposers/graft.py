@@ -29,8 +29,8 @@ larger batches get retrieval-only trees.
 Budgets: ``budget`` nodes per request at batch 1 (default ``num_speculative_tokens``), fewer as the batch grows —
 from the calibration file's measured table, else ``knee_tokens / batch - 1`` (verification costs about one decode
 step up to ``knee_tokens`` tokens per forward) when ``knee_tokens`` is given or off CPU, else a table measured on CPU
-(:data:`DEFAULT_CPU_BUDGET_TABLE`). ``calibrate`` (CLI: :func:`calibrate_main`) replays greedy outputs of
-the target offline to pick the thresholds and measures the step cost to build that table.
+(:data:`DEFAULT_CPU_BUDGET_TABLE`). ``vllm-treespec graft calibrate`` (:mod:`vllm_treespec.tools.graft_calibrate`)
+replays greedy outputs of the target offline to pick the thresholds and measures the step cost to build that table.
 """
 
 from __future__ import annotations
@@ -893,18 +893,3 @@ class GraftProposer(TreeProposer):
             self._roots.pop(r, None)
             self._last_trees.pop(r, None)
         self.sources.release(req_ids)
-
-
-# --- calibration: implemented in graft_calibrate (which imports this module); the CLI hook names these -------------
-def calibrate(*args: Any, **kwargs: Any) -> GraftCalibration:
-    """Pick thresholds by offline replay and measure the budget table; see :mod:`.graft_calibrate`."""
-    from vllm_treespec.proposers.graft_calibrate import calibrate as run
-
-    return run(*args, **kwargs)
-
-
-def calibrate_main(argv: Sequence[str] | None = None) -> int:
-    """``vllm-treespec graft calibrate [--out FILE] ...``"""
-    from vllm_treespec.proposers.graft_calibrate import calibrate_main as main
-
-    return main(argv)

@@ -1,9 +1,9 @@
 """Long bad-input check: every bad speculative config as a real ``serve`` startup, then bad requests to a live server.
 
-1. Each entry of ``tests/test_bad_config.py::BAD_CONFIGS`` (plus a corrupt datastore file) is passed to
-   ``python -m vllm_treespec.cli serve`` (tiny model, 127.0.0.1); the server must exit non-zero and its output
+1. Each entry of ``tests/unit/test_bad_config.py::BAD_CONFIGS`` (plus a corrupt datastore file) is passed to
+   ``python -m vllm_treespec.tools.cli serve`` (tiny model, 127.0.0.1); the server must exit non-zero and its output
    must contain the message naming the field.
-2. A suffix_tree server on SmolLM2 gets every request of ``tests/test_server_reliability.py::BAD_REQUESTS``
+2. A suffix_tree server on SmolLM2 gets every request of ``tests/tooling/test_server_reliability.py::BAD_REQUESTS``
    ``--rounds`` times, interleaved with good requests at concurrency 8: each bad one must get a 4xx, each good one
    a 200, and the server must be alive and healthy at the end.
 
@@ -21,17 +21,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests" / "unit"), str(ROOT / "tests" / "tooling"), str(ROOT / "tests" / "helpers")]
 
 from test_bad_config import BAD_CONFIGS  # noqa: E402
 from test_server_reliability import BAD_REQUESTS  # noqa: E402
 
-from vllm_treespec import soak  # noqa: E402
-from vllm_treespec.serving import ServerProcess, ServerStartError, client_session, request  # noqa: E402
+from vllm_treespec.tools import soak  # noqa: E402
+from vllm_treespec.tools.serving import ServerProcess, ServerStartError, client_session, request  # noqa: E402
 
 
 def check_configs(tmp: Path) -> int:
-    from vllm_treespec.models import ensure_tiny_llama
+    from vllm_treespec.tools.models import ensure_tiny_llama
 
     model = str(ensure_tiny_llama())
     corrupt = tmp / "corrupt.vtds"
@@ -61,7 +61,7 @@ def check_configs(tmp: Path) -> int:
 
 
 def check_requests(rounds: int) -> int:
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.models import ensure_smollm2
 
     good = {"model": soak.SERVED_NAME, "prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0}
     jobs = []

@@ -69,7 +69,7 @@ def spec_counters(llm) -> dict[str, float]:
 def run(model: str, spec: dict | None, prompts: list[str], max_tokens: int, dtype: str) -> dict:
     from vllm import LLM, SamplingParams
 
-    from vllm_treespec.bench import tokens_per_forward
+    from vllm_treespec.tools.bench import tokens_per_forward
 
     started = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, max_model_len=2048, max_num_seqs=4, enforce_eager=True, seed=0,
@@ -119,9 +119,9 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
 
-    from vllm_treespec.cli import cpu_memory_defaults
-    from vllm_treespec.models import ensure_smollm2
-    from vllm_treespec.proposers.graft_calibrate import calibration_prompts
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
+    from vllm_treespec.tools.models import ensure_smollm2
+    from vllm_treespec.tools.graft_calibrate import calibration_prompts
 
     cpu_memory_defaults()
     model = args.model or str(ensure_smollm2())
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     if args.sharegpt:
         from transformers import AutoTokenizer
 
-        from vllm_treespec.data import chat_prompt, sharegpt
+        from vllm_treespec.tools.data import chat_prompt, sharegpt
 
         tok = AutoTokenizer.from_pretrained(model)
         prompts += [chat_prompt(tok, q["turns"][0][:4000]) for q in sharegpt(args.sharegpt)]

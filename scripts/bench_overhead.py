@@ -15,7 +15,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))
 
 
 def main() -> None:
@@ -28,10 +28,10 @@ def main() -> None:
 
     # collective_rpc ships verifier_report to the worker by pickle (local benchmark only).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    from engine_helpers import chat_prompts, close, make_llm  # also puts tests/ on the workers' PYTHONPATH
+    from engine_helpers import chat_prompts, close, make_llm  # also puts tests/helpers on the workers' PYTHONPATH
     from vllm import SamplingParams
 
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.models import ensure_smollm2
 
     model = str(ensure_smollm2())
     prompts = chat_prompts(model, limit_mt=args.batch, limit_he=0)[: args.batch]

@@ -33,8 +33,8 @@ LONG_SUFFIX = "\n\nSummarize the text above."
 
 
 def long_questions(tokenizer, count: int, min_tokens: int, max_tokens: int) -> list[tuple[str, str]]:
-    from vllm_treespec.data import sharegpt
-    from vllm_treespec.eagle.data import SHAREGPT_EVAL_PREFIX
+    from vllm_treespec.tools.data import sharegpt
+    from vllm_treespec.training.data import SHAREGPT_EVAL_PREFIX
 
     pool = sharegpt(limit=SHAREGPT_EVAL_PREFIX, seed=0)
     pool = sorted(pool, key=lambda q: -len(q["turns"][0]))
@@ -53,7 +53,7 @@ def chain_alpha(head, feats, depth: int, projector=None) -> dict:
     """Accepted-chain counts per depth over every answer position of every conversation."""
     import torch
 
-    from vllm_treespec.eagle.train import ttt_forward
+    from vllm_treespec.training.train import ttt_forward
 
     reached = np.zeros(depth + 1)  # reached[d]: chains whose first d tokens were accepted (d=0: all roots)
     correct = np.zeros(depth)  # correct[k]: roots whose depth-(k+1) token is right (earlier ones right or not)
@@ -103,17 +103,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_out/kv_alpha.json")
     args = p.parse_args(argv)
 
-    from vllm_treespec.cli import cpu_memory_defaults
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
     cpu_memory_defaults()
     from transformers import AutoTokenizer
 
-    from vllm_treespec.data import mt_bench
-    from vllm_treespec.eagle.data import extract_features, generate_answers
+    from vllm_treespec.tools.data import mt_bench
+    from vllm_treespec.training.data import extract_features, generate_answers
     from vllm_treespec.eagle.kv_head import TargetKVProjector
-    from vllm_treespec.eagle.model import load_draft_head, param_count
-    from vllm_treespec.eagle.train import Features, _target_tensors
-    from vllm_treespec.models import default_cache_dir, ensure_smollm2
+    from vllm_treespec.eagle.checkpoint import load_draft_head
+    from vllm_treespec.eagle.model import param_count
+    from vllm_treespec.training.train import Features, _target_tensors
+    from vllm_treespec.settings import default_cache_dir
+    from vllm_treespec.tools.models import ensure_smollm2
     from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
     model_dir = str(ensure_smollm2())

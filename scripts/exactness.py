@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 
 
 def main() -> int:
@@ -31,7 +31,7 @@ def main() -> int:
     from engine_helpers import chat_prompts, close, make_llm, spec_counters, token_ids
     from vllm import SamplingParams
 
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.models import ensure_smollm2
 
     model = str(ensure_smollm2())
     prompts = chat_prompts(model, args.mt_bench, args.humaneval)

@@ -22,5 +22,5 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$WANT" > "$STAMP"
 fi
-"$PY" -m vllm_treespec.models smollm2 >/dev/null
+"$PY" -m vllm_treespec.tools.models smollm2 >/dev/null
 echo "[setup] ready: $VENV"

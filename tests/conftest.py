@@ -1,6 +1,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+# helper modules (engine_helpers, testing_proposers, ...) import by bare name, here and in worker processes
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

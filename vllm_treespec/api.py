@@ -22,12 +22,15 @@ This module imports neither vLLM nor torch at import time.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
+
+from vllm_treespec.registry import (ENTRY_POINT_GROUP, load_proposer_class, register_proposer,  # noqa: F401 - public API
+                                    registered_proposers)
+from vllm_treespec.settings import options_from_vllm_config
 
 if TYPE_CHECKING:  # pragma: no cover
     import msgspec
@@ -36,7 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger("vllm.treespec")
 
 ROOT = -1
-ENTRY_POINT_GROUP = "vllm_treespec.proposers"
 
 
 class DraftTreeError(ValueError):
@@ -236,8 +238,6 @@ class TreeProposer:
         spec = getattr(vllm_config, "speculative_config", None)
         self.max_nodes = int(getattr(spec, "num_speculative_tokens", 0) or 0)
         if options is None:
-            from vllm_treespec.config import options_from_vllm_config
-
             options = options_from_vllm_config(vllm_config, self.options_type)
         self.options = options
 
@@ -267,75 +267,3 @@ class TreeProposer:
         trees = self.propose_trees(ctx)
         return [[] if t is None or not ctx.needs_draft(i) else t.first_child_chain().token_ids[: self.max_nodes].tolist()
                 for i, t in enumerate(trees)]
-
-
-# --- registry ------------------------------------------------------------------------------------------------
-_REGISTRY: dict[str, str | type[TreeProposer]] = {}
-
-
-def register_proposer(name: str, cls: type[TreeProposer] | str | None = None):
-    """Register a proposer under ``name``. Use as a decorator or call with a class or a dotted class path."""
-
-    def _register(c):
-        existing = _REGISTRY.get(name)
-        if existing is not None and existing is not c and _qualname(existing) != _qualname(c):
-            raise ValueError(f"proposer name {name!r} is already registered to {_qualname(existing)}")
-        _REGISTRY[name] = c
-        return c
-
-    return _register(cls) if cls is not None else _register
-
-
-def _qualname(c: str | type) -> str:
-    return c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}"
-
-
-def registered_proposers() -> dict[str, str]:
-    """Every known proposer name (registered or by entry point) → dotted class path."""
-    from importlib.metadata import entry_points
-
-    names = {n: _qualname(c) for n, c in _REGISTRY.items()}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        names.setdefault(ep.name, ep.value.replace(":", "."))
-    return names
-
-
-def is_dotted_path(name: str) -> bool:
-    parts = name.split(".")
-    return len(parts) >= 2 and all(p.isidentifier() for p in parts)
-
-
-def proposer_class_path(name: str) -> str:
-    """Resolve a method name or dotted path to a dotted class path (without importing the proposer)."""
-    known = registered_proposers()
-    if name in known:
-        return known[name]
-    if is_dotted_path(name):
-        return name
-    raise KeyError(name)
-
-
-def load_proposer_class(path_or_name: str) -> type[TreeProposer]:
-    path = proposer_class_path(path_or_name)
-    module_name, _, attr = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ImportError(f"cannot import proposer class {path!r}: {e}") from e
-    if not isinstance(cls, type):
-        raise TypeError(f"{path!r} is not a class")
-    return cls
-
-
-# Built-in methods, by dotted path so that naming one does not import the others.
-BUILTIN_PROPOSERS = {
-    "static_tree": "vllm_treespec.proposers.static_tree.StaticTreeProposer",
-    "oracle_tree": "vllm_treespec.proposers.oracle.OracleTreeProposer",
-    "ngram_tree": "vllm_treespec.proposers.ngram_tree.NgramTreeProposer",
-    "suffix_tree": "vllm_treespec.proposers.suffix_tree.SuffixTreeProposer",
-    "graft": "vllm_treespec.proposers.graft.GraftProposer",
-    "eagle_tree": "vllm_treespec.proposers.eagle_tree.EagleTreeProposer",
-    "kv_aware": "vllm_treespec.proposers.kv_aware.KVAwareProposer",
-}
-for _name, _path in BUILTIN_PROPOSERS.items():
-    register_proposer(_name, _path)

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_treespec import api
+from vllm_treespec import api, registry
+from vllm_treespec.settings import ADDITIONAL_CONFIG_KEY
 
-ADDITIONAL_CONFIG_KEY = "vllm_treespec"
 TREE_MODE_ENV = "VLLM_TREESPEC_TREE_MODE"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 32
 MAX_NUM_SPECULATIVE_TOKENS = 128  # vLLM's RejectionSampler MAX_SPEC_LEN
@@ -51,7 +51,7 @@ def _vllm_methods() -> list[str]:
 
 def _is_tree_proposer_path(path: str) -> bool:
     try:
-        return issubclass(api.load_proposer_class(path), api.TreeProposer)
+        return issubclass(registry.load_proposer_class(path), api.TreeProposer)
     except (ImportError, TypeError):
         return False
 
@@ -61,19 +61,19 @@ def resolve_method(spec: dict[str, Any]) -> tuple[str, str] | None:
     method = spec.get("method")
     if method is None or method == "custom_class":
         model = spec.get("model")
-        if isinstance(model, str) and api.is_dotted_path(model) and _is_tree_proposer_path(model):
+        if isinstance(model, str) and registry.is_dotted_path(model) and _is_tree_proposer_path(model):
             return model, model
         return None
     if not isinstance(method, str):
         raise TreeSpecConfigError(f"speculative_config.method must be a string, got {method!r}")
     if method in _vllm_methods():
         return None
-    known = api.registered_proposers()
+    known = registry.registered_proposers()
     if method in known:
         return method, known[method]
-    if api.is_dotted_path(method):
+    if registry.is_dotted_path(method):
         try:
-            cls = api.load_proposer_class(method)
+            cls = registry.load_proposer_class(method)
         except ImportError as e:
             raise TreeSpecConfigError(
                 f"speculative_config.method={method!r}: {e}. A dotted path must name an importable TreeProposer "
@@ -126,7 +126,7 @@ def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | N
     if resolved is None:
         return spec, additional_config, False
     method, class_path = resolved
-    cls = api.load_proposer_class(class_path)
+    cls = registry.load_proposer_class(class_path)
 
     vllm_fields = _vllm_spec_fields() - {"method", "model"}
     ours = {k: v for k, v in spec.items() if k not in vllm_fields and k not in ("method", "model")}
@@ -157,20 +157,6 @@ def check_parallelism(parallel_config: Any) -> None:
         raise TreeSpecConfigError(
             f"tree speculative methods need tensor_parallel_size=1 and pipeline_parallel_size=1 (got TP={tp}, "
             f"PP={pp}): draft-tree topology is not yet shared across ranks. Use one rank, or a vLLM chain method.")
-
-
-def treespec_settings(vllm_config: Any) -> dict[str, Any] | None:
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    return extra.get(ADDITIONAL_CONFIG_KEY)
-
-
-def options_from_vllm_config(vllm_config: Any, options_type: type[msgspec.Struct] | None) -> Any:
-    """The proposer's typed options, as translated in process 0 (defaults when none were given)."""
-    if options_type is None:
-        return None
-    settings = treespec_settings(vllm_config) or {}
-    raw = settings.get("options") or {}
-    return msgspec.convert(raw, options_type, strict=False)
 
 
 def tree_mode_requested() -> bool:

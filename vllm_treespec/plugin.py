@@ -48,7 +48,7 @@ def register() -> None:
         return
     from vllm_treespec.patches import engine_args
 
-    engine_args.apply()
+    engine_args.apply(activate_tree_mode)
     _state["enabled"] = True
     if os.environ.get(TREE_MODE_ENV) == "1":
         activate_tree_mode()

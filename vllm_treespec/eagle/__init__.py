@@ -1,2 +1,2 @@
-"""EAGLE-3 draft heads: the head itself (:mod:`.model`), the training data pipeline (:mod:`.data`) and the trainer
-(:mod:`.train`, ``vllm-treespec train-eagle``). Checkpoints are written in the format vLLM's ``eagle3`` method loads."""
+"""EAGLE-3 and KV-aware draft heads as a vLLM worker runs them (:mod:`.model`, :mod:`.kv_head`). Checkpoints are in
+the format vLLM's ``eagle3`` method loads; the trainer is :mod:`vllm_treespec.training`."""

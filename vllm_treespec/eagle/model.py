@@ -324,16 +324,3 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 def param_count(head: nn.Module) -> int:
     """Trainable-size parameters of a head, without the shared (frozen) target embedding."""
     return sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed."))
-
-
-def load_draft_head(path: str | Path, embed: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                    default_aux_layers: tuple[int, ...] | None = None) -> Eagle3Head:
-    """An EAGLE-3 head or a KV-aware head, whichever the folder's config.json names."""
-    from vllm_treespec.eagle.kv_head import KVAwareHead, is_kv_aware_config
-
-    folder = Path(path)
-    cfg_path = folder / "config.json"
-    cls = Eagle3Head
-    if cfg_path.is_file() and is_kv_aware_config(json.loads(cfg_path.read_text())):
-        cls = KVAwareHead
-    return cls.load(folder, embed=embed, dtype=dtype, default_aux_layers=default_aux_layers)

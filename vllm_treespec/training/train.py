@@ -32,7 +32,7 @@ DEFAULT_DRAFT_VOCAB = 8192
 
 # --- data ----------------------------------------------------------------------------------------------------
 class Features:
-    """Memory-mapped output of :func:`vllm_treespec.eagle.data.extract_features`."""
+    """Memory-mapped output of :func:`vllm_treespec.training.data.extract_features`."""
 
     def __init__(self, folder: Path):
         meta = json.loads((folder / "index.json").read_text())
@@ -74,7 +74,7 @@ class Features:
 
 def make_batches(lengths: np.ndarray, idx: np.ndarray, batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Length-bucketed batches of at most ``batch_tokens`` padded tokens, in random order."""
-    from vllm_treespec.eagle.data import length_batches
+    from vllm_treespec.training.data import length_batches
 
     order = sorted(idx.tolist(), key=lambda i: (lengths[i], rng.random()))
     batches = length_batches(order, lengths, batch_tokens)
@@ -440,17 +440,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from vllm_treespec.cli import cpu_memory_defaults
+    from vllm_treespec.settings import default_cache_dir
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
     cpu_memory_defaults()
     if args.model == "smollm2":
-        from vllm_treespec.models import default_cache_dir, ensure_smollm2
+        from vllm_treespec.tools.models import ensure_smollm2
 
         model_dir = str(ensure_smollm2())
         work = Path(args.work_dir or default_cache_dir() / "eagle-work-smollm2")
     else:
-        from vllm_treespec.models import default_cache_dir
-
         model_dir = args.model
         work = Path(args.work_dir or default_cache_dir() / f"eagle-work-{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)
@@ -460,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_treespec.eagle.model import default_aux_layers
 
     aux_layers = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else default_aux_layers(layers)
-    from vllm_treespec.eagle.data import extract_features, generate
+    from vllm_treespec.training.data import extract_features, generate
 
     t0 = time.time()
     conversations = generate(model_dir, work / "conversations.jsonl", args.num_prompts, args.max_tokens)

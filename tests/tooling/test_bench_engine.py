@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_treespec import bench, bench_serve
+from vllm_treespec.tools import bench, bench_serve
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -41,7 +41,7 @@ def test_bench_offline_reports_every_category_and_is_lossless(tmp_path, monkeypa
 def test_bench_serve_sweeps_levels_and_stops_every_server(tmp_path):
     import psutil
 
-    from vllm_treespec.models import ensure_tiny_llama
+    from vllm_treespec.tools.models import ensure_tiny_llama
 
     out = tmp_path / "serve"
     code = bench_serve.main(["--model", str(ensure_tiny_llama()), "--prompts", "humaneval", "--concurrency", "1,4",

@@ -40,8 +40,8 @@ def main(argv=None) -> int:
                              "(about 35 min on 2 CPU cores; `vllm-treespec train-eagle --help`)")
     args = parser.parse_args(argv)
 
-    from vllm_treespec.cli import cpu_memory_defaults
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
+    from vllm_treespec.tools.models import ensure_smollm2
 
     cpu_memory_defaults()
     model = args.model or str(ensure_smollm2())
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     head = default_head_path()
     if args.model is None and not (head / "config.json").is_file():
         if args.train_eagle:
-            from vllm_treespec.eagle.train import main as train_eagle
+            from vllm_treespec.training.train import main as train_eagle
 
             if train_eagle(["-o", str(head)]) != 0:
                 return 1

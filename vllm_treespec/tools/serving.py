@@ -1,6 +1,6 @@
 """The project's OpenAI server as a child process, for the load sweep, the soak and the reliability tests.
 
-:class:`ServerProcess` runs ``python -m vllm_treespec.cli serve MODEL --host 127.0.0.1 --port P ...`` in a process
+:class:`ServerProcess` runs ``python -m vllm_treespec.tools.cli serve MODEL --host 127.0.0.1 --port P ...`` in a process
 group of its own, waits for ``/health``, and on exit always stops the whole group (SIGTERM, then SIGKILL). It binds
 to the loopback address only, and every client in this project talks to it there.
 """
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 def serve_command(model: str, port: int, speculative_config: dict[str, Any] | None = None,
                   extra_args: Sequence[str] = ()) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm_treespec.cli", "serve", model, "--host", LOOPBACK, "--port", str(port)]
+    cmd = [sys.executable, "-m", "vllm_treespec.tools.cli", "serve", model, "--host", LOOPBACK, "--port", str(port)]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     return cmd + list(extra_args)

@@ -16,13 +16,7 @@ import os
 import sys
 from typing import Sequence
 
-DEFAULT_CPU_KVCACHE_GIB = "4"
-
-
-def cpu_memory_defaults() -> None:
-    """vLLM on CPU reserves 92% of RAM for KV cache unless told otherwise; a few GiB is plenty here."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_CPU_KVCACHE_GIB)
-
+from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
 _metadata_version = importlib.metadata.version  # serve() replaces the module attribute; keep the real one
 
@@ -62,11 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "serve":
         return serve(rest)
     if command == "model":
-        from vllm_treespec.models import main as model_main
+        from vllm_treespec.tools.models import main as model_main
 
         return model_main(rest)
     if command == "demo":
-        from vllm_treespec.demo import main as demo_main
+        from vllm_treespec.tools.demo import main as demo_main
 
         return demo_main(rest)
     if command == "datastore":
@@ -74,15 +68,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return datastore_main(rest)
     if command == "graft" and rest[:1] == ["calibrate"]:
-        from vllm_treespec.proposers.graft import calibrate_main
+        from vllm_treespec.tools.graft_calibrate import calibrate_main
 
         return calibrate_main(rest[1:])
     if command == "train-eagle":
-        from vllm_treespec.eagle.train import main as train_main
+        from vllm_treespec.training.train import main as train_main
 
         return train_main(rest)
+    if command == "bench" and rest[:1] == ["serve"]:
+        from vllm_treespec.tools.bench_serve import main as serve_main
+
+        return serve_main(rest[1:])
     if command == "bench":
-        from vllm_treespec.bench import main as bench_main
+        from vllm_treespec.tools.bench import main as bench_main
 
         return bench_main(rest)
     print(f"vllm-treespec: unknown command {command!r}\n{__doc__}", file=sys.stderr)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_eagle import HIDDEN, VOCAB, check_chain_matches_unrolled_forward
+from eagle_helpers import HIDDEN, VOCAB, check_chain_matches_unrolled_forward
 from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig, TargetKVProjector
-from vllm_treespec.eagle.model import Eagle3Head, HeadConfig, load_draft_head, param_count
+from vllm_treespec.eagle.checkpoint import load_draft_head
+from vllm_treespec.eagle.model import Eagle3Head, HeadConfig, param_count
 from vllm_treespec.proposers.kv_aware import KVAwareOptions
 
 AUX = (1, 3, 5)

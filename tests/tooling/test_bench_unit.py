@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_treespec import bench
-from vllm_treespec.bench import BenchError, CategoryRun, MethodResult, MethodSpec, SpecCounters
+from vllm_treespec.tools import bench
+from vllm_treespec.tools.bench import BenchError, CategoryRun, MethodResult, MethodSpec, SpecCounters
 
 
 def test_parse_methods_labels_options_and_baseline_first():
@@ -140,7 +140,7 @@ def _serve_entry(label: str, rates: dict[str, float], pid: int) -> dict:
 
 
 def test_bench_serve_repeats_report_the_median_round_and_ratios():
-    from vllm_treespec.bench_serve import add_ratios, format_table, merge_rounds
+    from vllm_treespec.tools.bench_serve import add_ratios, format_table, merge_rounds
 
     none = merge_rounds([_serve_entry("none", {"1": 20.0, "4": 60.0}, 1),
                          _serve_entry("none", {"1": 10.0, "4": 70.0}, 2),
@@ -176,7 +176,7 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
 
 
 def test_bench_serve_rejects_bad_repeats(capsys):
-    from vllm_treespec.bench_serve import main
+    from vllm_treespec.tools.bench_serve import main
 
     assert main(["--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err

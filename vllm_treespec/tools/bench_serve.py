@@ -1,7 +1,7 @@
 """``vllm-treespec bench serve``: the OpenAI server under load, per speculative method.
 
 For each method (same ``--methods`` syntax as ``vllm-treespec bench``; no speculation always included) it starts
-``python -m vllm_treespec.cli serve`` on 127.0.0.1, waits for ``/health``, warms it up, and drives it with streamed
+``python -m vllm_treespec.tools.cli serve`` on 127.0.0.1, waits for ``/health``, warms it up, and drives it with streamed
 chat completions from a bounded asyncio client at each concurrency level (default 1,4,8,16): ``--requests-per-level``
 requests (at least the concurrency) with at most ``concurrency`` in flight. Reported per method and level: output
 tokens/s, requests/s, TTFT and inter-token latency (gap between streamed chunks; a chunk can carry several tokens
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_treespec.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
-from vllm_treespec.bench import load_questions
-from vllm_treespec.bench import parse_methods, unavailable_reason
-from vllm_treespec.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
-from vllm_treespec.serving import request
+from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
+from vllm_treespec.tools.bench import load_questions
+from vllm_treespec.tools.bench import parse_methods, unavailable_reason
+from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
+from vllm_treespec.tools.serving import request
 
 SERVED_NAME = "bench"
 
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
         return 2
     if args.model is None:
-        from vllm_treespec.models import ensure_smollm2
+        from vllm_treespec.tools.models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
     questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], None)

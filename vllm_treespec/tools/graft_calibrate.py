@@ -236,7 +236,7 @@ def calibration_prompts(model: str, num_mt: int, num_he: int) -> list[str]:
     """Chat-formatted MT-Bench first turns and raw HumanEval prompts (the benchmark's prompt sets)."""
     from transformers import AutoTokenizer
 
-    from vllm_treespec.data import chat_prompt, human_eval, mt_bench
+    from vllm_treespec.tools.data import chat_prompt, human_eval, mt_bench
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     return ([chat_prompt(tokenizer, q["turns"][0]) for q in mt_bench()[:num_mt]]
@@ -294,8 +294,8 @@ def calibrate(model: str | None = None, out_path: str = "graft_calibration.json"
     """Run the target once without speculation, replay, measure and write the calibration JSON to ``out_path``."""
     from vllm import LLM
 
-    from vllm_treespec.cli import cpu_memory_defaults
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
+    from vllm_treespec.tools.models import ensure_smollm2
 
     cpu_memory_defaults()
     model = model or str(ensure_smollm2())

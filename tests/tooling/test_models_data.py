@@ -1,4 +1,4 @@
-"""The embedded models (vllm_treespec.models), prompt sets (vllm_treespec.data) and wheel installer.
+"""The embedded models (vllm_treespec.tools.models), prompt sets (vllm_treespec.tools.data) and wheel installer.
 
 The model folders are built in the shared cache (``$VLLM_TREESPEC_CACHE`` or ``~/.cache/vllm_treespec``) on the first
 run (SmolLM2: ~25 s, tiny: ~8 s) and only checked afterwards; the build mechanics are tested on throw-away folders.
@@ -21,7 +21,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from vllm_treespec import data, models, wheels  # noqa: E402
+from vllm_treespec import settings
+from vllm_treespec.tools import data, models, wheels  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # fixtures
@@ -154,9 +155,9 @@ def test_ensure_is_fast_when_cached(smollm2_dir, tiny_dir):
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_TREESPEC_CACHE", str(tmp_path / "c"))
-    assert models.default_cache_dir() == tmp_path / "c"
+    assert settings.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("VLLM_TREESPEC_CACHE")
-    assert models.default_cache_dir() == Path.home() / ".cache" / "vllm_treespec"
+    assert settings.default_cache_dir() == Path.home() / ".cache" / "vllm_treespec"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ def test_cli_prints_path_last(tiny_dir, capsys):
 
 def test_cli_subprocess_with_cache_dir(tiny_dir):
     # --cache-dir pointing at the folder's parent finds the existing build: no rebuild, just the path.
-    proc = subprocess.run([sys.executable, "-m", "vllm_treespec.models", "tiny", "--cache-dir", str(tiny_dir.parent)],
+    proc = subprocess.run([sys.executable, "-m", "vllm_treespec.tools.models", "tiny", "--cache-dir", str(tiny_dir.parent)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == str(tiny_dir)

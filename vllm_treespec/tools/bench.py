@@ -20,7 +20,7 @@ no speculation always runs first as the baseline. Per category and overall it re
 Timed runs exclude a warm-up generation. With ``--repeats R`` every repeat runs on a fresh engine (so no proposer
 state, such as suffix_tree's store of finished outputs, carries over) and the median of the throughputs is reported.
 
-``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.bench_serve`).
+``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.tools.bench_serve`).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def check_method(spec: MethodSpec) -> None:
 
 def load_questions(names: Sequence[str], limit: int | None) -> dict[str, list[dict]]:
     """Questions grouped by category (in first-seen order), at most ``limit`` per category."""
-    from vllm_treespec.data import load_prompt_set
+    from vllm_treespec.tools.data import load_prompt_set
 
     by_category: dict[str, list[dict]] = {}
     for name in names:
@@ -555,10 +555,6 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "serve":
-        from vllm_treespec.bench_serve import main as serve_main
-
-        return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -571,7 +567,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_args(args)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm_treespec.cli import cpu_memory_defaults
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
     cpu_memory_defaults()
     specs = parse_methods(args.methods)
@@ -579,7 +575,7 @@ def _run(args: argparse.Namespace) -> int:
         check_method(spec)
     questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], args.limit)
     if args.model is None:
-        from vllm_treespec.models import ensure_smollm2
+        from vllm_treespec.tools.models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
     from transformers import AutoTokenizer

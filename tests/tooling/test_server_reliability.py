@@ -1,6 +1,6 @@
 """The OpenAI server with a tree method under a short soak, bad requests and bad startup configs.
 
-Real servers (``python -m vllm_treespec.cli serve``) on 127.0.0.1 and a real HTTP client; every loop is bounded.
+Real servers (``python -m vllm_treespec.tools.cli serve``) on 127.0.0.1 and a real HTTP client; every loop is bounded.
 The long versions are ``scripts/soak.sh`` (500+ requests) and ``scripts/bad_input.py`` (every bad config as a real
 startup).
 """
@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from vllm_treespec import soak
-from vllm_treespec.serving import ServerProcess, ServerStartError, client_session, request
+from vllm_treespec.tools import soak
+from vllm_treespec.tools.serving import ServerProcess, ServerStartError, client_session, request
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -22,7 +22,7 @@ SPEC = {"method": "suffix_tree", "num_speculative_tokens": 16}
 CONCURRENCY = 16
 SOAK_REQUESTS = 72
 # the two servers of this module may be up at once: keep their KV caches small
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
 
 
 #: (request body without "model", endpoint under /v1/): each must get a 4xx
@@ -55,7 +55,7 @@ def _args(max_model_len: int = 1024) -> list[str]:
 
 @pytest.fixture(scope="module")
 def smollm2() -> str:
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.models import ensure_smollm2
 
     return str(ensure_smollm2())
 
@@ -138,7 +138,7 @@ def test_soak_greedy_identical_to_no_speculation(smollm2, soak_run, spec_server)
     ({"method": "ngram_tree", "max_depth": "8"}, "field 'max_depth': Expected `int`, got `str`"),
 ])
 def test_bad_config_server_exits_nonzero_naming_the_field(tmp_path, spec, needle):
-    from vllm_treespec.models import ensure_tiny_llama
+    from vllm_treespec.tools.models import ensure_tiny_llama
 
     server = ServerProcess(str(ensure_tiny_llama()), spec, ["--enforce-eager"], log_path=tmp_path / "serve.log",
                            startup_timeout_s=300)
@@ -150,7 +150,7 @@ def test_bad_config_server_exits_nonzero_naming_the_field(tmp_path, spec, needle
 
 @pytest.mark.slow  # ~4 min: the corrupt file is only detected in the worker; scripts/bad_input.py covers it too
 def test_corrupt_datastore_fails_startup_naming_the_file(tmp_path):
-    from vllm_treespec.models import ensure_tiny_llama
+    from vllm_treespec.tools.models import ensure_tiny_llama
 
     corrupt = tmp_path / "corpus.vtds"
     corrupt.write_bytes(b"not a datastore" * 10)

@@ -5,7 +5,7 @@ target's own continuations, the text it will draft at inference. Stage ``feature
 prompt + answer by teacher forcing (transformers) and we keep, per token, the aux hidden states of the chosen layers
 and the final normed hidden state (the target's next-token distribution is recomputed from it during training).
 
-Held out: ShareGPT prompts come from the seeded shuffle of :func:`vllm_treespec.data.sharegpt` *after* position
+Held out: ShareGPT prompts come from the seeded shuffle of :func:`vllm_treespec.tools.data.sharegpt` *after* position
 ``SHAREGPT_EVAL_PREFIX`` (benchmarks draw their ShareGPT prompts from the prefix); any prompt containing an MT-Bench
 or HumanEval question is dropped. The last ``valid_fraction`` of the conversations is the validation slice.
 """
@@ -24,7 +24,7 @@ FEATURES_FORMAT = 1
 
 
 def _eval_texts() -> list[str]:
-    from vllm_treespec.data import human_eval, mt_bench
+    from vllm_treespec.tools.data import human_eval, mt_bench
 
     texts = []
     for q in mt_bench() + human_eval():
@@ -34,7 +34,7 @@ def _eval_texts() -> list[str]:
 
 def training_prompts(num: int, max_prompt_chars: int = 2000) -> list[dict]:
     """ShareGPT first turns for training, outside the benchmark prefix and free of eval questions."""
-    from vllm_treespec.data import sharegpt
+    from vllm_treespec.tools.data import sharegpt
 
     probes = _eval_texts()
     out = []
@@ -63,7 +63,7 @@ def generate_answers(model_dir: str, questions: list[tuple[str, str]], out_path:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_treespec.data import chat_prompt
+    from vllm_treespec.tools.data import chat_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     done = set()

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from vllm_treespec.wheels import ensure_wheel, file_lock, package_dir
+from vllm_treespec.settings import default_cache_dir
+from vllm_treespec.tools.wheels import ensure_wheel, file_lock, package_dir
 
 # Bump when the content of a built folder changes, so that caches built by older code are rebuilt.
 FORMAT_VERSION = 1
@@ -55,12 +56,6 @@ TINY_LLAMA_ARCH = dict(
     max_position_embeddings=2048,
     initializer_range=0.3,
 )
-
-
-def default_cache_dir() -> Path:
-    """``$VLLM_TREESPEC_CACHE`` if set, else ``~/.cache/vllm_treespec``."""
-    env = os.environ.get("VLLM_TREESPEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_treespec"
 
 
 def _log(msg: str) -> None:

@@ -28,14 +28,14 @@ def test_serve_answers_openai_chat_with_graft(tmp_path):
 
     from openai import OpenAI
 
-    from vllm_treespec.models import ensure_smollm2
+    from vllm_treespec.tools.models import ensure_smollm2
 
     model = str(ensure_smollm2())
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm_treespec.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "vllm_treespec.tools.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--served-model-name", "smollm2",
          "--speculative-config", json.dumps({"method": "graft", "num_speculative_tokens": 16})],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -11,7 +11,7 @@ mid-stream, over the completions and chat endpoints. Every request is checked:
   server that replays the same greedy requests afterwards;
 * memory: RSS of the server's process tree, sampled every second across the soak (start/end/max).
 
-``python -m vllm_treespec.soak --requests 500`` (or ``scripts/soak.sh``) runs the long version; the tests run a short
+``python -m vllm_treespec.tools.soak --requests 500`` (or ``scripts/soak.sh``) runs the long version; the tests run a short
 one. Everything talks to 127.0.0.1 only.
 """
 
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from vllm_treespec.serving import Reply, RssSampler, ServerProcess, client_session, request
+from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, client_session, request
 
 SERVED_NAME = "soak"
 
@@ -281,7 +281,7 @@ def replay_greedy(server: ServerProcess, requests: Sequence[SoakRequest], concur
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_treespec.soak", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m vllm_treespec.tools.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--speculative-config", default='{"method": "suffix_tree", "num_speculative_tokens": 32}',
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
     if args.model is None:
-        from vllm_treespec.models import ensure_smollm2
+        from vllm_treespec.tools.models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
     spec = json.loads(args.speculative_config)

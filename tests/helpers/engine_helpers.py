@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
+import textwrap
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_DIR = os.path.dirname(TESTS_DIR)
-# Worker processes import test proposers and examples by dotted path.
+HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(os.path.dirname(HELPERS_DIR))
+# Worker processes import test proposers (testing_proposers) and examples by dotted path.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (TESTS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")) if p)
+    p for p in (HELPERS_DIR, REPO_DIR, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def make_llm(model: str, spec: dict | None = None, **kwargs):
@@ -35,7 +38,7 @@ def close(llm) -> None:
 def chat_prompts(model: str, limit_mt: int, limit_he: int) -> list[str]:
     from transformers import AutoTokenizer
 
-    from vllm_treespec.data import human_eval, mt_bench
+    from vllm_treespec.tools.data import human_eval, mt_bench
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
@@ -62,3 +65,10 @@ def retrieval_kernel_signatures(worker) -> dict[str, int]:
     from vllm_treespec.retrieval.warmup import kernel_signatures
 
     return kernel_signatures()
+
+
+def run_python(code: str, env_extra: dict[str, str], timeout: int = 400) -> subprocess.CompletedProcess:
+    """Run ``code`` (dedented) in a fresh interpreter with extra environment variables."""
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)

@@ -16,7 +16,7 @@ from vllm_treespec.config import TreeSpecConfigError, parse_options
 from vllm_treespec.proposers.graft import (BudgetCurve, DraftGrowth, DraftLevel, GraftOptions, GraftProposer,
                                            ModelDrafter, AcceptanceCalibration, assemble, assemble_tree,
                                            load_calibration)
-from vllm_treespec.proposers.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
+from vllm_treespec.tools.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
                                                      calibrate_from, replay)
 from vllm_treespec.retrieval import RetrievedTree
 
@@ -494,39 +494,11 @@ def test_cost_model_and_budget_table():
     cost = CostModel({1: 10.0, 8: 11.0, 16: 9.0, 32: 40.0})  # noise: 16 tokens measured cheaper than 8
     assert cost(16) == pytest.approx(11.0) and cost(64) > cost(32) > cost(16)
     assert cost.knee_tokens() == 16
-    from vllm_treespec.proposers.graft_calibrate import ReplayResult
+    from vllm_treespec.tools.graft_calibrate import ReplayResult
 
     by_budget = {4: ReplayResult(steps=10, accepted=10, nodes=40), 16: ReplayResult(steps=10, accepted=12, nodes=160)}
     table = budget_table(by_budget, cost, (1, 2, 4, 16))
     assert table[1] == 4 and table[16] == 0  # more nodes do not pay; at batch 16 any speculation costs more
-
-
-# --- end to end -----------------------------------------------------------------------------------------------------
-@pytest.mark.engine
-def test_engine_greedy_identical_to_no_speculation():
-    from vllm import SamplingParams
-
-    from engine_helpers import chat_prompts, close, make_llm, spec_counters, token_ids
-    from vllm_treespec.models import ensure_smollm2
-
-    model = str(ensure_smollm2())
-    prompts = chat_prompts(model, limit_mt=4, limit_he=4)
-    params = SamplingParams(temperature=0, max_tokens=40)
-    base = make_llm(model)
-    try:
-        expected = token_ids(base.generate(prompts, params, use_tqdm=False))
-    finally:
-        close(base)
-    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "graft_position": "both"})
-    try:
-        got = token_ids(llm.generate(prompts, params, use_tqdm=False))  # batch 8
-        got1 = [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts[:2]]  # batch 1
-        counters = spec_counters(llm)
-    finally:
-        close(llm)
-    assert got == expected
-    assert got1 == expected[:2]
-    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
 
 
 def test_draft_tree_levels_renumber_parents_first():

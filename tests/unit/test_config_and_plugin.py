@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 
+from engine_helpers import run_python
 from vllm_treespec.config import TreeSpecConfigError, translate
 
 BAD_CONFIGS = [
@@ -59,8 +57,9 @@ def test_vllm_methods_pass_through_and_dotted_paths_select_tree_mode():
 def test_patch_signatures_match_installed_vllm():
     from vllm_treespec.patches import EXPECTED_SIGNATURES, check_signatures, engine_args, model_runner
     from vllm_treespec.patches import rejection_sampler, topk_topp_sampler, triton_dispatcher
+    from vllm_treespec.plugin import activate_tree_mode
 
-    engine_args.apply()
+    engine_args.apply(activate_tree_mode)
     model_runner.apply()
     rejection_sampler.apply()
     topk_topp_sampler.apply()
@@ -80,35 +79,8 @@ def test_changed_signature_fails_loudly():
         wrap_method(Target, "method", ("self", "a"))(lambda original, self, a: original(self, a, 0))
 
 
-def _run(code: str, env_extra: dict[str, str], timeout: int = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **env_extra)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-@pytest.mark.engine
-def test_unsupported_vllm_version_disables_plugin_and_vllm_still_generates():
-    from vllm_treespec.models import ensure_tiny_llama
-
-    code = f"""
-        from vllm import LLM, SamplingParams
-        if __name__ == "__main__":
-            llm = LLM(model={str(ensure_tiny_llama())!r}, dtype="float32", max_model_len=256, enforce_eager=True)
-            out = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
-            print("GENERATED", len(out[0].outputs[0].token_ids))
-            try:
-                LLM(model={str(ensure_tiny_llama())!r}, speculative_config={{"method": "static_tree"}})
-            except Exception as e:
-                print("REJECTED", type(e).__name__)
-        """
-    result = _run(code, {"VLLM_TREESPEC_ASSUME_VLLM_VERSION": "0.99.0", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert "GENERATED 5" in result.stdout, result.stderr[-3000:]
-    assert "vllm_treespec is disabled: vLLM 0.99.0 is not supported" in result.stderr
-    assert "REJECTED" in result.stdout  # without the plugin vLLM's own validation refuses our method name
-
-
 def test_plugin_register_is_idempotent_and_cheap():
-    result = _run("""
+    result = run_python("""
         import sys, time
         t = time.perf_counter()
         from vllm_treespec import plugin
@@ -170,32 +142,3 @@ def test_cpu_kernel_rebind_survives_llvmlite_imported():
         del sys.modules[holder.__name__]
     assert holder.kernel_copy is wrapper  # the scan still rebinds kernels
     assert ffi.lib is lib  # and the hidden attribute is back
-
-
-@pytest.mark.engine
-def test_in_process_engine_runs_a_numba_tree_method():
-    """VLLM_ENABLE_V1_MULTIPROCESSING=0: the worker starts in the process that already imported numba (graft's
-    config check loads the retrieval store); the engine must start, draft and stay exact (SmolLM2, fp32)."""
-    from engine_helpers import chat_prompts
-
-    from vllm_treespec.models import ensure_smollm2
-
-    model = str(ensure_smollm2())
-    code = f"""
-        from vllm import LLM, SamplingParams
-        if __name__ == "__main__":
-            params = SamplingParams(temperature=0, max_tokens=48)
-            outputs = []
-            for spec in (None, {{"method": "graft", "num_speculative_tokens": 8}}):
-                llm = LLM(model={model!r}, dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
-                          speculative_config=spec, disable_log_stats=False)
-                got = llm.generate({chat_prompts(model, limit_mt=2, limit_he=0)!r}, params, use_tqdm=False)
-                outputs.append([list(o.outputs[0].token_ids) for o in got])
-                drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
-                llm.llm_engine.engine_core.shutdown()
-                del llm
-            print("IDENTICAL", outputs[0] == outputs[1], "DRAFTS", drafts)
-        """
-    result = _run(code, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert "IDENTICAL True" in result.stdout, result.stderr[-3000:]
-    assert int(float(result.stdout.split("DRAFTS")[1].split()[0])) > 0  # graft really drafted

@@ -1,0 +1,32 @@
+"""graft end to end: greedy output identical to no speculation (SmolLM2, fp32), at batch 8 and batch 1."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.engine
+def test_engine_greedy_identical_to_no_speculation():
+    from vllm import SamplingParams
+
+    from engine_helpers import chat_prompts, close, make_llm, spec_counters, token_ids
+    from vllm_treespec.tools.models import ensure_smollm2
+
+    model = str(ensure_smollm2())
+    prompts = chat_prompts(model, limit_mt=4, limit_he=4)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    base = make_llm(model)
+    try:
+        expected = token_ids(base.generate(prompts, params, use_tqdm=False))
+    finally:
+        close(base)
+    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "graft_position": "both"})
+    try:
+        got = token_ids(llm.generate(prompts, params, use_tqdm=False))  # batch 8
+        got1 = [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts[:2]]  # batch 1
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == expected
+    assert got1 == expected[:2]
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0

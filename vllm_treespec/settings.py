@@ -1,0 +1,34 @@
+"""Our settings: the cache folder for models and heads, and the proposer options inside vLLM's config (process 0
+stores them in ``additional_config["vllm_treespec"]``, see :mod:`vllm_treespec.config`; every process reads them back
+here)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ADDITIONAL_CONFIG_KEY = "vllm_treespec"
+CACHE_DIR_ENV = "VLLM_TREESPEC_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$VLLM_TREESPEC_CACHE`` if set, else ``~/.cache/vllm_treespec``: converted models, trained heads, work files."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_treespec"
+
+
+def treespec_settings(vllm_config: Any) -> dict[str, Any] | None:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get(ADDITIONAL_CONFIG_KEY)
+
+
+def options_from_vllm_config(vllm_config: Any, options_type: type[msgspec.Struct] | None) -> Any:
+    """The proposer's typed options, as translated in process 0 (defaults when none were given)."""
+    if options_type is None:
+        return None
+    settings = treespec_settings(vllm_config) or {}
+    raw = settings.get("options") or {}
+    return msgspec.convert(raw, options_type, strict=False)
