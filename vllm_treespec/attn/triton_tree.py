@@ -1,0 +1,247 @@
+"""Paged tree attention in Triton: the tree rows of a verify step, for CUDA backends (and the Triton interpreter).
+
+Request r verifies ``W_r = 1 + N_r`` rows (row 0 = the root, row 1+i = node i) whose K/V sit at the linear cache
+positions ``C_r .. C_r + W_r - 1`` after its ``C_r`` committed tokens. Row j attends to every committed position and to
+the tree positions ``C_r + i`` of its ancestors-or-self i, given per row as an ancestor bitmask (int32 words, bit i of
+word i // 32), so memory grows with ``W^2 / 32`` per request instead of a dense ``[rows x context]`` mask.
+
+One program handles one tile of consecutive tree rows of one request for one KV head, with all the query heads that
+share that KV head packed into the tile's M dimension (GQA), so each K/V block is read once per tile. The cache is
+read through the strides of the logical ``[num_blocks, block_size, num_kv_heads, head_dim]`` views of K and V: any
+physical layout that can be viewed that way works. Softmax and accumulation are fp32; the kernel also returns the
+natural-log log-sum-exp of every (row, head).
+
+Imports only torch, numpy and triton (no vLLM, no numba), so ``scripts/bench_gpu_tree_attention.py`` can run it on a
+machine without vLLM. On CPU tensors the kernel needs Triton's interpreter: set ``TRITON_INTERPRET=1`` before triton
+is first imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+BITS_PER_WORD = 32
+DEFAULT_TILE_M = 64  # query (row, head) pairs per program
+DEFAULT_BLOCK_N = 64  # keys per inner step
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr, positions, key_valid,
+                  visible, kv_head, d, d_valid, block_size, stride_kb, stride_ks, stride_kh, stride_kd,
+                  stride_vb, stride_vs, stride_vh, stride_vd, scale_log2,
+                  UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One online-softmax step over BLOCK_N keys at logical ``positions``; ``visible`` is [BLOCK_M, BLOCK_N]."""
+    physical = tl.load(block_table_row_ptr + positions // block_size, mask=key_valid, other=0).to(tl.int64)
+    offset = (positions % block_size).to(tl.int64)
+    kv_mask = key_valid[:, None] & d_valid[None, :]
+    k = tl.load(key_cache_ptr + physical[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
+                + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(value_cache_ptr + physical[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
+                + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE_DOT:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(visible, scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, output_ptr, lse_ptr,
+    row_query_index_ptr, ancestor_words_ptr, request_context_len_ptr, request_block_row_ptr,
+    request_row_start_ptr, request_num_rows_ptr, tile_request_ptr, tile_first_row_ptr,
+    scale_log2, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt, stride_ot, stride_oh, stride_od, stride_lr, stride_lh, stride_aw,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    request = tl.load(tile_request_ptr + tile)
+    first_row = tl.load(tile_first_row_ptr + tile)
+    context_len = tl.load(request_context_len_ptr + request)
+    num_rows = tl.load(request_num_rows_ptr + request)
+    row_start = tl.load(request_row_start_ptr + request)
+    block_table_row_ptr = block_table_ptr + tl.load(request_block_row_ptr + request).to(tl.int64) * stride_bt
+
+    # M packs (tree row, query head of this KV head) pairs: m = row_in_tile * GROUP + head_in_group.
+    m = tl.arange(0, BLOCK_M)
+    local_row = first_row + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    row_valid = (m < ROWS_PER_TILE * GROUP) & (local_row < num_rows)
+    row = row_start + local_row
+    token = tl.load(row_query_index_ptr + row, mask=row_valid, other=0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # A finite floor instead of -inf keeps alpha = exp2(m_old - m_new) defined for rows that have seen no key yet.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+
+    # Committed context: visible to every row of the request.
+    for start in range(0, context_len, BLOCK_N):
+        positions = start + n
+        key_valid = positions < context_len
+        visible = row_valid[:, None] & key_valid[None, :]
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr,
+                                      positions, key_valid, visible, kv_head, d, d_valid, block_size,
+                                      stride_kb, stride_ks, stride_kh, stride_kd,
+                                      stride_vb, stride_vs, stride_vh, stride_vd, scale_log2, UPCAST, IEEE_DOT)
+
+    # The tree rows' own K/V: row j sees tree row i iff bit i of its ancestor words is set.
+    for start in range(0, num_rows, BLOCK_N):
+        tree_col = start + n
+        col_valid = tree_col < num_rows
+        words = tl.load(ancestor_words_ptr + row[:, None].to(tl.int64) * stride_aw + (tree_col // 32)[None, :],
+                        mask=row_valid[:, None] & col_valid[None, :], other=0)
+        visible = ((words >> (tree_col % 32)[None, :]) & 1) != 0
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr,
+                                      context_len + tree_col, col_valid, visible, kv_head, d, d_valid, block_size,
+                                      stride_kb, stride_ks, stride_kh, stride_kd,
+                                      stride_vb, stride_vs, stride_vh, stride_vd, scale_log2, UPCAST, IEEE_DOT)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(output_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+             out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    lse = (m_i + tl.log2(l_safe)) / 1.4426950408889634
+    tl.store(lse_ptr + row.to(tl.int64) * stride_lr + head * stride_lh, lse, mask=row_valid)
+
+
+@dataclass
+class TreeKernelPlan:
+    """Kernel inputs for one step's tree rows, all int32 on the target device (one host-to-device copy).
+
+    Rows are the real tree rows of every request, request by request (padding rows of the ``[R, W, W]`` mask are
+    dropped). Tiles split each request's rows into groups of ``rows_per_tile``.
+    """
+
+    row_query_index: torch.Tensor  # [n] flattened-query row (query/output index) of each tree row
+    row_request: torch.Tensor  # [n] request of each tree row
+    ancestor_words: torch.Tensor  # [n, num_words] ancestor-or-self bits over the request's own rows
+    request_context_len: torch.Tensor  # [R] committed tokens before the root
+    request_block_row: torch.Tensor  # [R] row of the request in the block table
+    request_row_start: torch.Tensor  # [R] first tree row of the request
+    request_num_rows: torch.Tensor  # [R] W_r
+    tile_request: torch.Tensor  # [T]
+    tile_first_row: torch.Tensor  # [T] first row of the tile within its request
+    rows_per_tile: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_query_index.shape[0]
+
+
+def pack_ancestor_words(mask: np.ndarray) -> np.ndarray:
+    """``[..., W]`` bool -> ``[..., ceil(W / 32)]`` int32 with bit i of word i // 32 = ``mask[..., i]``."""
+    width = mask.shape[-1]
+    num_words = max(1, -(-width // BITS_PER_WORD))
+    padded = np.zeros(mask.shape[:-1] + (num_words * BITS_PER_WORD,), np.bool_)
+    padded[..., :width] = mask
+    packed = np.packbits(padded, axis=-1, bitorder="little")  # 4 little-endian bytes per word
+    return np.ascontiguousarray(packed).view("<u4").astype(np.uint32).view(np.int32)
+
+
+def rows_per_tile_for(group: int, tile_m: int = DEFAULT_TILE_M) -> tuple[int, int]:
+    """(tree rows per tile, BLOCK_M) for ``group`` query heads per KV head."""
+    block_m = max(16, tile_m, triton.next_power_of_2(group))
+    return block_m // group, block_m
+
+
+def build_kernel_plan(batch: Any, rows_per_tile: int, device: torch.device | str = "cpu") -> TreeKernelPlan:
+    """Kernel inputs from a step's tree batch (``vllm_treespec.tree.TreeBatch`` or any object with its ``rows``,
+    ``query_start``, ``context_len``, ``node_offsets`` and ``mask [R, W, W]``). Host work is numpy; one copy."""
+    widths = np.diff(np.asarray(batch.node_offsets, np.int64)) + 1  # W_r = 1 + N_r
+    num_reqs = widths.size
+    row_start = np.cumsum(widths) - widths
+    local_row = np.arange(int(widths.sum())) - np.repeat(row_start, widths)
+    row_request = np.repeat(np.arange(num_reqs), widths)
+    row_query_index = np.repeat(np.asarray(batch.query_start, np.int64), widths) + local_row
+    words = pack_ancestor_words(np.asarray(batch.mask)[row_request, local_row])  # [n, num_words]
+    tiles_per_request = -(-widths // rows_per_tile)
+    tile_request = np.repeat(np.arange(num_reqs), tiles_per_request)
+    tile_first_row = (np.arange(int(tiles_per_request.sum()))
+                      - np.repeat(np.cumsum(tiles_per_request) - tiles_per_request, tiles_per_request)) * rows_per_tile
+    columns = [row_query_index, row_request, np.asarray(batch.context_len), np.asarray(batch.rows), row_start, widths,
+               tile_request, tile_first_row]
+    flat = np.concatenate([c.astype(np.int32).ravel() for c in columns] + [words.ravel()])
+    on_device = torch.from_numpy(flat).to(device, non_blocking=True)
+    parts = list(torch.split(on_device, [c.size for c in columns] + [words.size]))
+    return TreeKernelPlan(row_query_index=parts[0], row_request=parts[1], ancestor_words=parts[8].view(words.shape),
+                          request_context_len=parts[2], request_block_row=parts[3], request_row_start=parts[4],
+                          request_num_rows=parts[5], tile_request=parts[6], tile_first_row=parts[7],
+                          rows_per_tile=rows_per_tile)
+
+
+def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                   plan: TreeKernelPlan, scale: float, output: torch.Tensor | None = None,
+                   lse: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the tree rows' attention into ``output`` (same shape as ``query``; a zero tensor if None).
+
+    query / output ``[num_tokens, num_heads, head_dim]``; key_cache / value_cache logical views
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); block_table ``[batch_rows, max_blocks]``.
+    Returns (output, lse ``[plan.num_rows, num_heads]`` fp32, natural log). Rows not in the plan are not touched.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if output is None:
+        output = torch.zeros_like(query)
+    if lse is None:
+        lse = torch.empty(plan.num_rows, num_heads, dtype=torch.float32, device=query.device)
+    if plan.num_rows == 0:
+        return output, lse
+    block_m = max(16, triton.next_power_of_2(plan.rows_per_tile * group))
+    on_cpu = query.device.type == "cpu"
+    # Triton's interpreter computes bf16/fp16 dots wrongly: upcast there. fp32 dots must not round through TF32.
+    upcast = on_cpu or query.dtype == torch.float32
+    grid = (plan.tile_request.shape[0], num_kv_heads)
+    _tree_attention_kernel[grid](
+        query, key_cache, value_cache, block_table, output, lse,
+        plan.row_query_index, plan.ancestor_words, plan.request_context_len, plan.request_block_row,
+        plan.request_row_start, plan.request_num_rows, plan.tile_request, plan.tile_first_row,
+        scale * _LOG2E, key_cache.shape[1],
+        *query.stride(), *key_cache.stride(), *value_cache.stride(),
+        block_table.stride(0), *output.stride(), *lse.stride(), plan.ancestor_words.stride(0),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group, ROWS_PER_TILE=plan.rows_per_tile,
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast, IEEE_DOT=upcast,
+    )
+    return output, lse
+
+
+def chain_mask(widths: np.ndarray) -> np.ndarray:
+    """``[R, W, W]`` ancestor-or-self mask of chains (row j sees rows 0..j), for chain baselines."""
+    width = int(widths.max()) if widths.size else 1
+    lower = np.tril(np.ones((width, width), np.bool_))
+    valid = np.arange(width)[None, :] < widths[:, None]
+    return lower[None] & valid[:, None, :] & valid[:, :, None]
+
