@@ -1,0 +1,227 @@
+"""The CUDA tree path, checked on CPU tensors: the Triton tree kernel (under Triton's interpreter) against the float64
+reference, the FLASH_ATTN glue with a torch stand-in for FlashAttention, the CUDA-graph dispatch patch, and KV
+compaction on the logical cache view against the CPU backend's own path.
+
+The interpreter only takes effect if ``TRITON_INTERPRET=1`` is set before triton is first imported, and other tests
+import it (through vLLM) earlier in the same process; so every check that runs the kernel runs in one subprocess
+(this file run as a script), and the parametrized tests read its results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+# name -> (dtype, layout, group, num_kv_heads, head_dim, block_size, [(context_len, num_nodes, shape), ...])
+KERNEL_CASES = {
+    "random_fp32_gqa1_nhd": ("float32", "nhd", 1, 2, 32, 16, [(37, 9, "random"), (5, 20, "random"), (1, 3, "random")]),
+    "random_fp32_gqa1_flash": ("float32", "flash", 1, 2, 32, 16, [(37, 9, "random"), (0, 6, "random")]),
+    "random_fp32_gqa4_nhd": ("float32", "nhd", 4, 2, 40, 8, [(50, 12, "random"), (17, 5, "random")]),
+    "random_fp32_gqa4_flash": ("float32", "flash", 4, 2, 32, 16, [(23, 15, "random"), (64, 2, "random")]),
+    "random_fp32_gqa8_nhd": ("float32", "nhd", 8, 1, 32, 16, [(40, 10, "random"), (3, 17, "random")]),
+    "random_fp32_gqa8_flash": ("float32", "flash", 8, 2, 16, 32, [(70, 7, "random")]),
+    "wide_fp32_two_words": ("float32", "flash", 1, 1, 16, 16, [(100, 70, "random")]),
+    "w1_root_only": ("float32", "nhd", 4, 2, 32, 16, [(30, 0, "random"), (9, 0, "random")]),
+    "chains_fp32": ("float32", "flash", 4, 2, 32, 16, [(45, 8, "chain"), (12, 16, "chain")]),
+    "random_fp16_gqa4": ("float16", "flash", 4, 2, 32, 16, [(60, 13, "random"), (20, 6, "chain")]),
+    "random_fp16_gqa8_nhd": ("float16", "nhd", 8, 1, 64, 16, [(33, 11, "random")]),
+}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+SENTINEL = 7.0
+
+
+def random_parents(rng: np.random.Generator, num_nodes: int, shape: str) -> np.ndarray:
+    if shape == "chain":
+        return np.arange(-1, num_nodes - 1, dtype=np.int32)
+    return np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, num_nodes)], np.int32)[:num_nodes]
+
+
+def make_case(dtype: str, layout: str, group: int, num_kv_heads: int, head_dim: int, block_size: int,
+              requests: list, seed: int = 0) -> SimpleNamespace:
+    """A batch where every tree request follows a non-tree request (a chain/prefill of 0-3 rows), a paged cache with
+    shuffled blocks whose unused slots hold NaN (a read of them would poison the output), and random queries."""
+    from vllm_treespec.api import DraftTree
+    from vllm_treespec.attn.compact import flash_kv_views
+    from vllm_treespec.tree import TreeBatch
+
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+    num_heads = group * num_kv_heads
+    trees, rows, query_start, contexts = [], [], [], []
+    num_tokens, batch_row = 0, 0
+    for context_len, num_nodes, shape in requests:
+        num_tokens += int(rng.integers(0, 4))  # the non-tree request before it
+        batch_row += 1
+        parents = random_parents(rng, num_nodes, shape)
+        trees.append(DraftTree(np.arange(num_nodes, dtype=np.int64), parents))
+        rows.append(batch_row)
+        query_start.append(num_tokens)
+        contexts.append(context_len)
+        num_tokens += num_nodes + 1
+        batch_row += 1
+    num_tokens += 2
+    batch = TreeBatch.build(rows, [f"r{i}" for i in range(len(trees))], trees, query_start, contexts)
+
+    blocks_per_row = max(-(-(c + n + 1) // block_size) for c, n, _ in requests) + 1
+    num_blocks = batch_row * blocks_per_row + 3
+    block_table = torch.randperm(num_blocks)[: batch_row * blocks_per_row].view(batch_row, blocks_per_row)
+    block_table = block_table.to(torch.int32)
+    kv_cache = None
+    if layout == "flash":  # vLLM's FLASH_ATTN cache [blocks, kv_heads, block_size, 2 * head_dim], split as FA does
+        kv_cache = torch.full((num_blocks, num_kv_heads, block_size, 2 * head_dim), float("nan"), dtype=torch_dtype)
+        key_cache, value_cache = flash_kv_views(kv_cache, head_dim)
+    else:  # separate contiguous [blocks, block_size, kv_heads, head_dim] caches
+        key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch_dtype)
+        value_cache = torch.full_like(key_cache, float("nan"))
+    per_request = []
+    for r, tree in enumerate(trees):
+        length = contexts[r] + tree.num_nodes + 1
+        positions = torch.arange(length)
+        blocks = block_table[rows[r]].long()[positions // block_size]
+        offsets = positions % block_size
+        keys = torch.randn(length, num_kv_heads, head_dim).to(torch_dtype)
+        values = torch.randn(length, num_kv_heads, head_dim).to(torch_dtype)
+        key_cache[blocks, offsets] = keys
+        value_cache[blocks, offsets] = values
+        per_request.append((keys, values))
+    query = torch.randn(num_tokens, num_heads, head_dim).to(torch_dtype)
+    return SimpleNamespace(batch=batch, trees=trees, contexts=contexts, query=query, kv_cache=kv_cache,
+                           key_cache=key_cache,
+                           value_cache=value_cache, block_table=block_table, per_request=per_request,
+                           scale=head_dim ** -0.5, group=group, num_heads=num_heads, head_dim=head_dim)
+
+
+def reference_rows(case: SimpleNamespace) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(query_start, float64 output [W, Hq, D], float64 LSE [W, Hq]) of every tree request."""
+    from vllm_treespec.attn.reference import reference_tree_attention
+
+    out = []
+    for r, tree in enumerate(case.trees):
+        c, w, start = case.contexts[r], tree.num_nodes + 1, int(case.batch.query_start[r])
+        keys, values = case.per_request[r]
+        query = case.query[start: start + w]
+        expected = reference_tree_attention(query, keys[:c], values[:c], keys[c:], values[c:], tree.parents,
+                                            case.scale)
+        visible = torch.cat([torch.ones(w, c, dtype=torch.bool),
+                             torch.from_numpy(case.batch.mask[r, :w, :w].copy())], dim=1)  # [W, C + W]
+        key_heads = keys.double().repeat_interleave(case.group, dim=1)  # [C + W, Hq, D]
+        scores = torch.einsum("whd,khd->hwk", query.double(), key_heads) * case.scale
+        lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1).T  # [W, Hq]
+        out.append((start, expected, lse))
+    return out
+
+
+def run_kernel_case(name: str) -> dict:
+    from vllm_treespec.attn.triton_tree import build_kernel_plan, rows_per_tile_for, tree_attention
+
+    case = make_case(*KERNEL_CASES[name])
+    kernel_plan = build_kernel_plan(case.batch, rows_per_tile_for(case.group)[0])
+    output = torch.full_like(case.query, SENTINEL)
+    output, lse = tree_attention(case.query, case.key_cache, case.value_cache, case.block_table, kernel_plan,
+                                 case.scale, output=output)
+    return compare(case, output, lse)
+
+
+def compare(case: SimpleNamespace, output: torch.Tensor, lse: torch.Tensor | None) -> dict:
+    tree_row = torch.zeros(output.shape[0], dtype=torch.bool)
+    out_error = lse_error = 0.0
+    row = 0
+    for start, expected, expected_lse in reference_rows(case):
+        w = expected.shape[0]
+        tree_row[start: start + w] = True
+        out_error = max(out_error, (output[start: start + w].double() - expected).abs().max().item())
+        if lse is not None:
+            lse_error = max(lse_error, (lse[row: row + w].double() - expected_lse).abs().max().item())
+        row += w
+    return {"output_error": out_error, "lse_error": lse_error,
+            "others_untouched": bool((output[~tree_row] == SENTINEL).all()), "finite": bool(output.isfinite().all())}
+
+
+def run_flash_glue() -> dict:
+    """TreeFlashAttentionImpl.forward / the builder with FlashAttention replaced by a stand-in that fills SENTINEL."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder
+
+    from vllm_treespec.attn import flash, plan
+
+    case = make_case("float32", "flash", 4, 2, 32, 16, [(29, 10, "random"), (6, 4, "chain")], seed=3)
+    calls = []
+
+    def flash_stand_in(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                       output_block_scale=None):
+        calls.append(query.shape)
+        return output.fill_(SENTINEL)
+
+    def build_stand_in(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return SimpleNamespace(block_table=common_attn_metadata.block_table_tensor)
+
+    original_forward, original_build = FlashAttentionImpl.forward, FlashAttentionMetadataBuilder.build
+    FlashAttentionImpl.forward, FlashAttentionMetadataBuilder.build = flash_stand_in, build_stand_in
+    try:
+        builder = flash.TreeFlashAttentionMetadataBuilder.__new__(flash.TreeFlashAttentionMetadataBuilder)
+        builder.num_heads_q, builder.num_heads_kv = case.num_heads, case.num_heads // case.group
+        impl = flash.TreeFlashAttentionImpl.__new__(flash.TreeFlashAttentionImpl)
+        impl.num_heads, impl.head_size, impl.scale = case.num_heads, case.head_dim, case.scale
+        common = SimpleNamespace(block_table_tensor=case.block_table)
+        plan.publish(case.batch)
+        first, second = builder.build(0, common), builder.build(0, common)
+        output = torch.empty(case.query.shape[0], case.num_heads * case.head_dim)
+        query = case.query.reshape(case.query.shape[0], -1)
+        result = impl.forward(None, query, None, None, case.kv_cache, first, output)
+        tree = compare(case, result.view_as(case.query), None)
+        plan.publish(None)
+        chain_metadata = builder.build(0, common)
+        chain_output = impl.forward(None, query, None, None, case.kv_cache, chain_metadata, torch.empty_like(output))
+    finally:
+        FlashAttentionImpl.forward, FlashAttentionMetadataBuilder.build = original_forward, original_build
+        plan.publish(None)
+    return {**tree, "plan_shared": first.tree_kernel_plan is second.tree_kernel_plan,
+            "result_is_output": result is output, "stand_in_calls": len(calls),
+            "chain_plan_none": chain_metadata.tree_kernel_plan is None,
+            "chain_all_stand_in": bool((chain_output == SENTINEL).all())}
+
+
+# --- tests that run the kernel: one interpreter subprocess ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_tree_kernel_matches_reference(interpreter_results, name):
+    result = interpreter_results[name]
+    tolerance = TOLERANCE[KERNEL_CASES[name][0]]
+    assert result["finite"], result
+    assert result["output_error"] <= tolerance, result
+    assert result["lse_error"] <= tolerance, result
+    assert result["others_untouched"], result
+
+
+def test_flash_impl_overwrites_only_tree_rows(interpreter_results):
+    result = interpreter_results["flash_glue"]
+    assert result["stand_in_calls"] == 2  # FlashAttention ran first for every row, tree step and chain step
+    assert result["result_is_output"] and result["plan_shared"] and result["chain_plan_none"]
+    assert result["output_error"] <= 1e-5 and result["finite"], result
+    assert result["others_untouched"], result  # chain / prefill rows keep FlashAttention's result
+    assert result["chain_all_stand_in"]
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {name: run_kernel_case(name) for name in KERNEL_CASES}
+    results["flash_glue"] = run_flash_glue()
+    print(json.dumps(results))

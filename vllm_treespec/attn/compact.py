@@ -1,0 +1,37 @@
+"""KV compaction on the logical paged view, for any device, layout and dtype.
+
+After tree acceptance the accepted nodes' K/V move from their linear slots (context + 1 + node) to the chain slots
+(context + 1 + k). Here that is one gather followed by one scatter per cache, on views shaped
+``[num_blocks, block_size, num_kv_heads, head_dim]`` with whatever strides the backend's physical layout gives them:
+no cache-write kernel, no layout adapter. Gathering everything first makes overlapping moves safe. Elements are moved
+as same-width integers, so every dtype (fp8 included) is copied bit for bit.
+
+The CPU backend keeps its own path (``layout.read_slots`` / ``write_slots``), whose ISA layouts need vLLM's op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def flash_kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a FLASH_ATTN layer's cache ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` as logical
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` views (the split vLLM's FlashAttentionImpl makes)."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+def compact_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, src_slots: torch.Tensor,
+               dst_slots: torch.Tensor) -> None:
+    """Copy the K/V at ``src_slots`` to ``dst_slots`` (slot = block * block_size + offset) in place."""
+    block_size = key_cache.shape[1]
+    src_slots = src_slots.to(key_cache.device, torch.int64)
+    dst_slots = dst_slots.to(key_cache.device, torch.int64)
+    src_block, src_offset = src_slots // block_size, src_slots % block_size
+    dst_block, dst_offset = dst_slots // block_size, dst_slots % block_size
+    for cache in (key_cache, value_cache):
+        as_int = cache.view(_SAME_WIDTH_INT[cache.element_size()])
+        rows = as_int[src_block, src_offset]  # advanced indexing gathers into a new tensor
+        as_int[dst_block, dst_offset] = rows
