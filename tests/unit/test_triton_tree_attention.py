@@ -220,6 +220,135 @@ def test_flash_impl_overwrites_only_tree_rows(interpreter_results):
     assert result["chain_all_stand_in"]
 
 
+
+# --- in-process tests (pure torch) --------------------------------------------------------------------------------------
+
+def test_tree_step_never_dispatches_a_full_cudagraph():
+    """vLLM's own dispatch logic on a dispatcher with one FULL (uniform decode) and one PIECEWISE key for 16 tokens."""
+    from dataclasses import replace
+
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    from vllm_treespec.attn import plan
+    from vllm_treespec.patches import ORIGINALS, cudagraph_dispatcher
+
+    dispatcher = CudagraphDispatcher.__new__(CudagraphDispatcher)
+    dispatcher.keys_initialized = True
+    dispatcher.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    dispatcher.compilation_config = SimpleNamespace(max_cudagraph_capture_size=32)
+    dispatcher.vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8), lora_config=None)
+    dispatcher.specialize_lora_count = False
+    dispatcher.uniform_decode_query_len = 4
+    dispatcher._bs_to_padded_graph_size = list(range(33))
+    full_key = dispatcher._create_padded_batch_descriptor(16, True, False, 0)
+    dispatcher.cudagraph_keys = {CUDAGraphMode.FULL: {full_key},
+                                 CUDAGraphMode.PIECEWISE: {replace(full_key, num_reqs=None, uniform=False)}}
+    already_patched = (CudagraphDispatcher, "dispatch") in ORIGINALS
+    assert dispatcher.dispatch(16, uniform_decode=True)[0] == CUDAGraphMode.FULL  # vLLM's choice for this batch
+    cudagraph_dispatcher.install()
+    try:
+        assert CudagraphDispatcher.dispatch.__vllm_treespec_original__ is ORIGINALS[(CudagraphDispatcher, "dispatch")]
+        assert dispatcher.dispatch(16, uniform_decode=True)[0] == CUDAGraphMode.FULL  # chain step: unchanged
+        plan.publish(SimpleNamespace(num_reqs=2))
+        mode, descriptor = dispatcher.dispatch(16, uniform_decode=True)
+        assert mode == CUDAGraphMode.PIECEWISE and not descriptor.uniform
+        assert dispatcher.dispatch(16, True, invalid_modes={CUDAGraphMode.FULL})[0] == CUDAGraphMode.PIECEWISE
+        assert dispatcher.dispatch(16, True, valid_modes={CUDAGraphMode.NONE})[0] == CUDAGraphMode.NONE
+        assert dispatcher.dispatch(20)[0] == CUDAGraphMode.NONE  # no key for 20 tokens: eager, as vLLM decides
+        plan.publish(SimpleNamespace(num_reqs=0))
+        assert dispatcher.dispatch(16, uniform_decode=True)[0] == CUDAGraphMode.FULL
+    finally:
+        plan.publish(None)
+        if not already_patched:
+            CudagraphDispatcher.dispatch = ORIGINALS.pop((CudagraphDispatcher, "dispatch"))
+
+
+def test_flash_overrides_keep_vllm_signatures():
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadataBuilder
+
+    from vllm_treespec.attn import flash
+
+    import inspect
+    for owner, name in ((FlashAttentionImpl, "forward"), (FlashAttentionMetadataBuilder, "build")):
+        assert tuple(inspect.signature(vars(owner)[name]).parameters) == flash.EXPECTED_SIGNATURES[name]
+    backend = flash.TreeFlashAttentionBackend
+    assert backend.get_name() == "FLASH_ATTN"
+    assert issubclass(backend.get_impl_cls(), FlashAttentionImpl)
+    assert issubclass(backend.get_builder_cls(), FlashAttentionMetadataBuilder)
+
+
+def cpu_vec_logical_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU VEC layout (attn/layout.py: K column-major, V row-major per block and head) as strided logical views."""
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    d = two_d // 2
+    flat = kv_cache.view(num_blocks, num_heads, 2 * block_size * d)
+    keys = flat[..., : block_size * d].unflatten(-1, (d, block_size)).permute(0, 3, 1, 2)
+    values = flat[..., block_size * d:].unflatten(-1, (block_size, d)).permute(0, 2, 1, 3)
+    return keys, values
+
+
+def accepted_moves(block_table: np.ndarray, block_size: int, context_len: int, nodes: list[int]):
+    """Source / destination slots of an accepted path (nodes at context + 1 + node move to context + 1 + k)."""
+    nodes_np = np.asarray(nodes)
+    k = np.arange(nodes_np.size)
+    moved = nodes_np != k
+    src, dst = context_len + 1 + nodes_np[moved], context_len + 1 + k[moved]
+    return (torch.from_numpy(block_table[src // block_size] * block_size + src % block_size),
+            torch.from_numpy(block_table[dst // block_size] * block_size + dst % block_size))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logical_view_compaction_equals_cpu_backend_path(dtype):
+    """Same moves, two mechanisms: the CPU backend's (read through the VEC adapter, rewrite with vLLM's cache-write
+    op) and the device-generic gather-then-scatter on strided logical views of the very same cache bytes."""
+    from vllm_treespec.attn import layout
+    from vllm_treespec.attn.compact import compact_kv
+
+    isa, block_size, num_heads, head_dim, num_blocks = "vec16", 16, 2, 32, 6
+    if not layout.self_check(isa, dtype, block_size, head_dim, num_heads):
+        pytest.skip(f"vLLM's CPU cache-write op does not support {isa}/{dtype} here")
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.zeros(num_blocks, num_heads, block_size, 2 * head_dim, dtype=dtype)
+    slots = torch.arange(num_blocks * block_size)
+    layout.write_slots(cache, slots, torch.randn(slots.numel(), num_heads, head_dim, generator=generator).to(dtype),
+                       torch.randn(slots.numel(), num_heads, head_dim, generator=generator).to(dtype), isa)
+    block_table = np.array([4, 1, 5, 0], np.int64)
+    # context 13: the path crosses a block boundary; nodes 2 and 3 move onto slots that are themselves sources
+    for nodes in ([0, 2, 3], [1, 4, 9, 17], [5]):
+        src, dst = accepted_moves(block_table, block_size, 13, nodes)
+        expected = cache.clone()
+        key, value = layout.read_slots(expected, src)
+        layout.write_slots(expected, dst, key, value, isa)
+        actual = cache.clone()
+        compact_kv(*cpu_vec_logical_views(actual), src, dst)
+        assert torch.equal(actual, expected), nodes
+        assert not torch.equal(actual, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e4m3fn])
+def test_logical_view_compaction_on_flash_layout_is_bit_exact(dtype):
+    from vllm_treespec.attn.compact import compact_kv, flash_kv_views
+
+    block_size, num_heads, head_dim, num_blocks = 16, 2, 8, 5
+    generator = torch.Generator().manual_seed(1)
+    cache = torch.randn(num_blocks, num_heads, block_size, 2 * head_dim, generator=generator).to(dtype)
+    block_table = np.array([3, 0, 4], np.int64)
+    src, dst = accepted_moves(block_table, block_size, 10, [0, 3, 4, 7, 20])
+    before = cache.clone()
+    compact_kv(*flash_kv_views(cache, head_dim), src, dst)
+    raw_before, raw_after = before.view(torch.uint8), cache.view(torch.uint8)
+    keys_before, values_before = flash_kv_views(raw_before, head_dim * before.element_size())
+    keys_after, values_after = flash_kv_views(raw_after, head_dim * cache.element_size())
+    bs = block_size
+    for s, d in zip(src.tolist(), dst.tolist()):
+        assert torch.equal(keys_after[d // bs, d % bs], keys_before[s // bs, s % bs])
+        assert torch.equal(values_after[d // bs, d % bs], values_before[s // bs, s % bs])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[dst] = False
+    assert torch.equal(keys_after.flatten(0, 1)[untouched], keys_before.flatten(0, 1)[untouched])
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     results = {name: run_kernel_case(name) for name in KERNEL_CASES}
