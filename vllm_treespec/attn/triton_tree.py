@@ -237,11 +237,3 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     )
     return output, lse
 
-
-def chain_mask(widths: np.ndarray) -> np.ndarray:
-    """``[R, W, W]`` ancestor-or-self mask of chains (row j sees rows 0..j), for chain baselines."""
-    width = int(widths.max()) if widths.size else 1
-    lower = np.tril(np.ones((width, width), np.bool_))
-    valid = np.arange(width)[None, :] < widths[:, None]
-    return lower[None] & valid[:, None, :] & valid[:, :, None]
-
