@@ -61,6 +61,19 @@ def tree_unsupported_reason(sampling_params: Any) -> str | None:
     return None
 
 
+def tree_attention_impls() -> tuple[type, ...]:
+    """The attention impls with a tree path on this platform (CPU: the CPU_ATTN override; CUDA: FLASH_ATTN's)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm_treespec.attn.cpu import TreeCPUAttentionImpl
+
+        return (TreeCPUAttentionImpl,)
+    from vllm_treespec.attn.flash import TreeFlashAttentionImpl
+
+    return (TreeFlashAttentionImpl,)
+
+
 class TreeVerifier:
     def __init__(self, runner: Any, proposer: TreeProposer) -> None:
         self.runner = runner
@@ -88,6 +101,8 @@ class TreeVerifier:
             return "M-RoPE positions"
         if runner.vllm_config.parallel_config.pipeline_parallel_size > 1:
             return "pipeline parallelism"
+        if getattr(runner.vllm_config.parallel_config, "data_parallel_size", 1) > 1:
+            return "data parallelism (ranks re-dispatch CUDA graphs with a mode agreed across ranks)"
         if not runner.vllm_config.model_config.is_attention_free and self._attention_layers() == []:
             return "no attention layers found"
         from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -100,19 +115,22 @@ class TreeVerifier:
                     return f"{type(spec).__name__} layers (sliding window / hybrid models)"
         for layer in self._attention_layers():
             impl = layer.impl
-            if getattr(impl, "sliding_window", -1) not in (-1, None):
+            if getattr(impl, "sliding_window", -1) not in (-1, None, (-1, -1)):  # FlashAttention: (-1, -1) = none
                 return "sliding-window attention"
+            if getattr(impl, "dcp_world_size", 1) > 1:
+                return "decode context parallelism"
             if getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "sinks", None) is not None:
                 return "ALiBi / attention sinks"
             if getattr(impl, "logits_soft_cap", 0):
                 return "logit soft-capping"
             if getattr(impl, "kv_cache_dtype", "auto") != "auto":
                 return f"kv_cache_dtype={impl.kv_cache_dtype}"
-            from vllm_treespec.attn.cpu import TreeCPUAttentionImpl
-
-            if not isinstance(impl, TreeCPUAttentionImpl):
-                return f"attention backend {type(impl).__name__} has no tree path"
+            if not isinstance(impl, tree_attention_impls()):
+                return (f"attention backend {type(impl).__name__} has no tree path; on CUDA trees need FLASH_ATTN "
+                        "(--attention-backend FLASH_ATTN)")
         layer = self._attention_layers()[0]
+        if hasattr(layer.impl, "compact_tree_kv"):
+            return None  # reads and compacts the cache through its logical view: no layout adapter to check
         kv = layer.kv_cache
         if not layout.self_check(layer.isa, kv.dtype, kv.shape[2], kv.shape[3] // 2, kv.shape[1]):
             return f"the KV cache layout of ISA {layer.isa!r} failed the read-back self-check"
@@ -217,7 +235,9 @@ class TreeVerifier:
         context_len = input_batch.num_computed_tokens_cpu[rows]
         batch = TreeBatch.build(rows, [f[1] for f in found], [f[2] for f in found], query_start, context_len)
         # Slots stay linear (already computed); only RoPE positions follow depth.
-        self.runner.positions[torch.from_numpy(batch.node_token_index())] = torch.from_numpy(batch.node_positions())
+        positions = self.runner.positions
+        positions[torch.from_numpy(batch.node_token_index()).to(positions.device)] = (
+            torch.from_numpy(batch.node_positions()).to(positions.device, positions.dtype))
         self.batch = batch
         plan.publish(batch)
         if self.stats["tree_steps"] == 0:
@@ -236,7 +256,8 @@ class TreeVerifier:
         widths = np.diff(batch.node_offsets) + 1
         tree_rows_start = row_start[batch.rows]
         logits_index = torch.from_numpy(np.repeat(tree_rows_start, widths)
-                                        + (np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths)))
+                                        + (np.arange(widths.sum()) - np.repeat(np.cumsum(widths) - widths, widths))
+                                        ).to(logits.device)
         row_offsets = np.cumsum(widths) - widths
         greedy = self._greedy_mask(batch)
         # Read what acceptance needs before vLLM's sampler runs (it may modify logits in place): argmax for greedy
@@ -244,9 +265,9 @@ class TreeVerifier:
         tree_logits = None
         if not greedy.all() or self.proposer.wants_target_logits:
             tree_logits = logits.index_select(0, logits_index).to(torch.float32)
-            argmax = tree_logits.argmax(dim=-1).numpy()  # the cast is exact: same argmax, one pass fewer
+            argmax = tree_logits.argmax(dim=-1).cpu().numpy()  # the cast is exact: same argmax, one pass fewer
         else:
-            argmax = logits.index_select(0, logits_index).argmax(dim=-1).numpy()
+            argmax = logits.index_select(0, logits_index).argmax(dim=-1).cpu().numpy()
         self.timer.add("accept", time.perf_counter() - started)
 
         output = original(logits, spec_decode_metadata)
@@ -258,7 +279,8 @@ class TreeVerifier:
         if not greedy.all():
             self._sample_random(batch, ~greedy, tree_logits, row_offsets, out_tokens, out_nodes, out_len)
         sampled = output.sampled_token_ids
-        sampled[torch.from_numpy(batch.rows)] = torch.from_numpy(out_tokens).to(sampled.dtype)
+        sampled[torch.from_numpy(batch.rows).to(sampled.device)] = torch.from_numpy(out_tokens).to(sampled.device,
+                                                                                                  sampled.dtype)
         self.timer.add("accept", time.perf_counter() - started)
 
         started = time.perf_counter()
@@ -293,7 +315,8 @@ class TreeVerifier:
         index = np.concatenate([np.arange(row_offsets[r], row_offsets[r] + widths[r]) for r in picked])
         # vLLM's own temperature / top-k / top-p, applied to the tree rows of the sampled requests (batch-row order).
         processed = apply_sampling_constraints(tree_logits[torch.from_numpy(index)].clone(),
-                                               torch.from_numpy(np.cumsum(counts)).to(torch.int32), sampling_metadata)
+                                               torch.from_numpy(np.cumsum(counts)).to(tree_logits.device, torch.int32),
+                                               sampling_metadata)
         probs = processed.softmax(dim=-1)
         offset = 0
         for r in picked:
@@ -334,7 +357,13 @@ class TreeVerifier:
         rows_np = np.concatenate(rows)
         src = self._slots(rows_np, np.concatenate(src_pos))
         dst = self._slots(rows_np, np.concatenate(dst_pos))
-        for layer in self._attention_layers():
+        layers = self._attention_layers()
+        src, dst = src.to(layers[0].kv_cache.device), dst.to(layers[0].kv_cache.device)  # one copy for all layers
+        for layer in layers:
+            compact = getattr(layer.impl, "compact_tree_kv", None)
+            if compact is not None:  # device backends: gather-then-scatter on the logical view
+                compact(layer.kv_cache, src, dst)
+                continue
             key, value = layout.read_slots(layer.kv_cache, src)  # gather all first, then scatter
             layout.write_slots(layer.kv_cache, dst, key, value, layer.isa,
                                layer._k_scale_float, layer._v_scale_float, layer.impl.kv_cache_dtype)

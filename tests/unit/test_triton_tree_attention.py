@@ -349,6 +349,43 @@ def test_logical_view_compaction_on_flash_layout_is_bit_exact(dtype):
     assert torch.equal(keys_after.flatten(0, 1)[untouched], keys_before.flatten(0, 1)[untouched])
 
 
+
+def test_verifier_compacts_flash_layers_on_the_logical_view():
+    """TreeVerifier._compact hands device layers (impls with compact_tree_kv) the moves of the accepted paths."""
+    from vllm_treespec.api import DraftTree
+    from vllm_treespec.attn.compact import flash_kv_views
+    from vllm_treespec.attn.flash import TreeFlashAttentionImpl
+    from vllm_treespec.tree import TreeBatch
+    from vllm_treespec.verify import TreeVerifier
+
+    block_size, num_heads, head_dim = 16, 2, 8
+    table = np.array([[0, 0, 0], [5, 2, 7], [1, 3, 4]], np.int64)
+    runner = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8), input_batch=SimpleNamespace(
+        block_table=[SimpleNamespace(block_size=block_size, block_table=SimpleNamespace(np=table))]))
+    impl = TreeFlashAttentionImpl.__new__(TreeFlashAttentionImpl)
+    impl.head_size = head_dim
+    cache = torch.randn(8, num_heads, block_size, 2 * head_dim).to(torch.bfloat16)
+    verifier = TreeVerifier(runner, proposer=None)
+    verifier._layers = [SimpleNamespace(kv_cache=cache, impl=impl)]
+    trees = [DraftTree(np.arange(4), np.array([-1, -1, 1, 2], np.int32)),
+             DraftTree(np.arange(3), np.array([-1, 0, 0], np.int32))]
+    batch = TreeBatch.build([1, 2], ["a", "b"], trees, [0, 5], [14, 3])
+    out_nodes = np.array([[1, 2, 3], [0, 2, -1]])  # request a: nodes 1,2,3 -> chain 0,1,2; b: node 2 -> chain 1
+    before = cache.clone()
+    verifier._compact(batch, out_nodes, np.array([3, 2]))
+    keys_before, values_before = flash_kv_views(before, head_dim)
+    keys, values = flash_kv_views(cache, head_dim)
+
+    def slot(row, position):
+        return table[row, position // block_size], position % block_size
+
+    moves = [(1, 14 + 1 + n, 14 + 1 + k) for k, n in enumerate([1, 2, 3])] + [(2, 3 + 1 + 2, 3 + 1 + 1)]
+    for row, src, dst in moves:
+        assert torch.equal(keys[slot(row, dst)], keys_before[slot(row, src)])
+        assert torch.equal(values[slot(row, dst)], values_before[slot(row, src)])
+    assert torch.equal(keys[slot(2, 4)], keys_before[slot(2, 4)])  # node 0 of b stays where it is
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     results = {name: run_kernel_case(name) for name in KERNEL_CASES}
