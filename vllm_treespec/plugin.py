@@ -62,13 +62,15 @@ def activate_tree_mode() -> None:
         return
     _state["tree_mode"] = True
     from vllm_treespec.attn import register_backends
-    from vllm_treespec.patches import model_runner, rejection_sampler, topk_topp_sampler, triton_dispatcher
+    from vllm_treespec.patches import (cudagraph_dispatcher, model_runner, rejection_sampler, topk_topp_sampler,
+                                       triton_dispatcher)
 
     register_backends()
     model_runner.apply()
     rejection_sampler.apply()
     topk_topp_sampler.apply()
     triton_dispatcher.apply()
+    cudagraph_dispatcher.apply()
 
 
 def is_enabled() -> bool:

@@ -10,3 +10,7 @@ def register_backends() -> None:
     if current_platform.is_cpu():
         # The CPU platform ignores the selected backend, so the override has to replace CPU_ATTN itself.
         register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_treespec.attn.cpu.TreeCPUAttentionBackend")
+    elif current_platform.is_cuda():
+        # Automatic selection resolves FLASH_ATTN through the registry, so no user flag is needed. Where the platform
+        # picks another backend (Blackwell: FlashInfer) the verifier logs it once and runs chains.
+        register_backend(AttentionBackendEnum.FLASH_ATTN, "vllm_treespec.attn.flash.TreeFlashAttentionBackend")

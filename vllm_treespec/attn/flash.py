@@ -24,13 +24,16 @@ from vllm.v1.attention.backends.flash_attn import (
 from vllm_treespec.attn import plan
 from vllm_treespec.attn.compact import compact_kv, flash_kv_views
 from vllm_treespec.attn.triton_tree import TreeKernelPlan, build_kernel_plan, rows_per_tile_for, tree_attention
+from vllm_treespec.patches import expect_signature
 
-# FlashAttention's own call signatures that the subclasses below override and call through super().
-EXPECTED_SIGNATURES = {
+# FlashAttention's own methods that the subclasses below override and call through super().
+OVERRIDDEN_SIGNATURES = {
     "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
                 "output_block_scale"),
     "build": ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
 }
+expect_signature(FlashAttentionImpl, "forward", OVERRIDDEN_SIGNATURES["forward"])
+expect_signature(FlashAttentionMetadataBuilder, "build", OVERRIDDEN_SIGNATURES["build"])
 
 _step: dict = {"batch": None, "plans": {}}
 

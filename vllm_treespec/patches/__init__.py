@@ -32,6 +32,14 @@ def wrap_method(owner: type, name: str, expected_params: tuple[str, ...]):
     return _wrap(owner, name, key, expected_params)
 
 
+def expect_signature(owner: type, name: str, expected_params: tuple[str, ...]) -> None:
+    """Record a vLLM method we depend on without wrapping it (a subclass overrides it and calls it through
+    ``super()``, or it is wrapped only on another platform), so that ``check_signatures`` covers it everywhere."""
+    key = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    EXPECTED_SIGNATURES[key] = expected_params
+    _TARGETS[key] = (owner.__module__, owner.__qualname__, name)
+
+
 def wrap_function(module: Any, name: str, expected_params: tuple[str, ...]):
     """Decorator: install ``wrapper(original, *args, **kwargs)`` as the module-level function ``module.name``
     (effective for callers that look the name up in that module at call time)."""

@@ -17,10 +17,11 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
 from vllm_treespec.attn import plan
-from vllm_treespec.patches import is_patched, wrap_method
+from vllm_treespec.patches import expect_signature, is_patched, wrap_method
 
 DISPATCH_PARAMS = ("self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras", "valid_modes",
                    "invalid_modes")
+expect_signature(CudagraphDispatcher, "dispatch", DISPATCH_PARAMS)  # checked on CPU too, where it is not wrapped
 
 
 def tree_step_active() -> bool:
