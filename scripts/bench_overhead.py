@@ -41,7 +41,7 @@ def main() -> None:
     try:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-        from vllm_treespec.verify import verifier_report
+        from vllm_treespec.verify.report import verifier_report
 
         before = llm.collective_rpc(verifier_report)[0]
         started = time.perf_counter()

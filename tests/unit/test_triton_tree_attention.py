@@ -356,7 +356,7 @@ def test_verifier_compacts_flash_layers_on_the_logical_view():
     from vllm_treespec.attn.compact import flash_kv_views
     from vllm_treespec.attn.flash import TreeFlashAttentionImpl
     from vllm_treespec.tree import TreeBatch
-    from vllm_treespec.verify import TreeVerifier
+    from vllm_treespec.verify.verifier import TreeVerifier
 
     block_size, num_heads, head_dim = 16, 2, 8
     table = np.array([[0, 0, 0], [5, 2, 7], [1, 3, 4]], np.int64)

@@ -6,12 +6,18 @@ After tree acceptance the accepted nodes' K/V move from their linear slots (cont
 no cache-write kernel, no layout adapter. Gathering everything first makes overlapping moves safe. Elements are moved
 as same-width integers, so every dtype (fp8 included) is copied bit for bit.
 
-The CPU backend keeps its own path (``layout.read_slots`` / ``write_slots``), whose ISA layouts need vLLM's op.
+The CPU backend keeps its own path (``layout.read_slots`` / ``write_slots``), whose ISA layouts need vLLM's op;
+:func:`compact_layers` picks the path of each layer. Which slots move is the verifier's business
+(:mod:`vllm_treespec.verify.compact`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from vllm_treespec.attn import layout
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -35,3 +41,18 @@ def compact_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, src_slots: to
         as_int = cache.view(_SAME_WIDTH_INT[cache.element_size()])
         rows = as_int[src_block, src_offset]  # advanced indexing gathers into a new tensor
         as_int[dst_block, dst_offset] = rows
+
+
+def compact_layers(layers: list[Any], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy the K/V at ``src_slots`` to ``dst_slots`` in every attention layer's cache: device backends (impls with
+    ``compact_tree_kv``) on their logical view, the CPU backend through its ISA layout."""
+    device = layers[0].kv_cache.device
+    src_slots, dst_slots = src_slots.to(device), dst_slots.to(device)  # one copy for all layers
+    for layer in layers:
+        compact = getattr(layer.impl, "compact_tree_kv", None)
+        if compact is not None:  # device backends: gather-then-scatter on the logical view
+            compact(layer.kv_cache, src_slots, dst_slots)
+            continue
+        key, value = layout.read_slots(layer.kv_cache, src_slots)  # gather all first, then scatter
+        layout.write_slots(layer.kv_cache, dst_slots, key, value, layer.isa,
+                           layer._k_scale_float, layer._v_scale_float, layer.impl.kv_cache_dtype)

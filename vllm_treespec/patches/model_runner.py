@@ -1,7 +1,7 @@
 """Patches of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (inherited by ``CPUModelRunner``).
 
 Each wrapper is a pass-through unless the runner's drafter is a TreeProposer; the tree logic itself lives in
-:mod:`vllm_treespec.verify`.
+:mod:`vllm_treespec.verify` (:class:`~vllm_treespec.verify.verifier.TreeVerifier`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def apply() -> None:
     def __init__(original, self, vllm_config, device):
         original(self, vllm_config, device)
         from vllm_treespec.api import TreeProposer
-        from vllm_treespec.verify import TreeVerifier
+        from vllm_treespec.verify.verifier import TreeVerifier
 
         drafter = getattr(self, "drafter", None)
         self._treespec_verifier = TreeVerifier(self, drafter) if isinstance(drafter, TreeProposer) else None

@@ -1,0 +1,197 @@
+"""TreeVerifier: the per-runner orchestration of tree verification, called by the runner patch
+(:mod:`vllm_treespec.patches.model_runner`) at four points of each step: propose, attach, sample, finished."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
+from vllm_treespec.attn import plan
+from vllm_treespec.attn.compact import compact_layers
+from vllm_treespec.tree import TreeBatch
+from vllm_treespec.verify.accept import (accept, greedy_mask, logits_rows, read_logits, verification_results,
+                                         write_chain_form)
+from vllm_treespec.verify.attach import build_batch, flatten_trees, match_scheduled, rewrite_positions
+from vllm_treespec.verify.chainize import aux_in_asked_order, chainize, committed_rows
+from vllm_treespec.verify.compact import accepted_moves, slots
+from vllm_treespec.verify.report import StepTimer
+from vllm_treespec.verify.support import attention_layers, tree_unsupported_reason, unsupported_model_reason
+
+logger = logging.getLogger("vllm.treespec")
+
+# The vLLM objects this package relies on, attribute by attribute: everything the verifier (this package),
+# vllm_treespec/kv_view.py and the runner patch read or write on vLLM's model runner (GPUModelRunner, CPUModelRunner),
+# its InputBatch, the BlockTable of KV-cache group 0 and the runner's CachedRequestState entries.
+# tests/unit/test_runner_contract.py checks that the code uses exactly these and that the installed vLLM has each.
+RUNNER_ATTRIBUTES = (
+    "_draft_prob_req_ids", "_draft_probs", "drafter", "input_batch", "kv_cache_config", "model", "positions",
+    "query_start_loc", "requests", "speculative_config", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
+)
+INPUT_BATCH_ATTRIBUTES = (
+    "block_table", "num_computed_tokens_cpu", "num_reqs", "num_tokens_no_spec", "req_id_to_index", "req_ids",
+    "sampling_metadata", "token_ids_cpu",
+)
+BLOCK_TABLE_ATTRIBUTES = ("block_size", "block_table")
+REQUEST_STATE_ATTRIBUTES = ("sampling_params",)
+#: set on the runner by the patch; must not collide with a vLLM attribute
+OWN_RUNNER_ATTRIBUTES = ("_treespec_verifier",)
+
+
+class TreeVerifier:
+    """One per model runner whose drafter is a :class:`~vllm_treespec.api.TreeProposer`."""
+
+    def __init__(self, runner: Any, proposer: TreeProposer) -> None:
+        self.runner = runner
+        self.proposer = proposer
+        self.max_nodes = int(runner.speculative_config.num_speculative_tokens)
+        self.pending: dict[str, DraftTree] = {}
+        self.batch: TreeBatch | None = None
+        self.enabled: bool | None = None  # decided lazily, once the model and KV cache exist
+        self.timer = StepTimer()
+        self.stats = {"tree_steps": 0, "tree_rows": 0, "accepted": 0}
+        self.last_moves: tuple[np.ndarray, np.ndarray] | None = None
+        self._layers: list[Any] | None = None
+
+    # --- support -----------------------------------------------------------------------------------------------
+    def _decide_support(self) -> bool:
+        reason = unsupported_model_reason(self.runner, self._attention_layers())
+        if reason:
+            logger.warning("vllm_treespec: tree verification is off for this model (%s); proposals run as chains.",
+                           reason)
+        return reason is None
+
+    def _attention_layers(self) -> list[Any]:
+        if self._layers is None:
+            self._layers = attention_layers(self.runner.vllm_config)
+        return self._layers
+
+    def _request_can_use_tree(self, req_id: str) -> bool:
+        state = self.runner.requests.get(req_id)
+        return state is not None and tree_unsupported_reason(state.sampling_params) is None
+
+    # --- hook: propose ---------------------------------------------------------------------------------------
+    def propose(self, sampled_token_ids: list[list[int]], hidden_states=None, aux_hidden_states=None,
+                query_start_loc=None, scheduled_drafts: dict[str, list[int]] | None = None) -> list[list[int]]:
+        if self.enabled is None:
+            self.enabled = self._decide_support()
+        input_batch = self.runner.input_batch
+        num_reqs = len(sampled_token_ids)
+        req_ids = list(input_batch.req_ids[:num_reqs])
+        ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
+                             num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
+                             max_nodes=self.max_nodes)
+        proposer = self.proposer
+        if proposer.needs_hidden_states and hidden_states is not None and query_start_loc is not None:
+            # rows were chainized after sample()
+            ctx.hidden_states = hidden_states
+            ctx.aux_hidden_states = aux_in_asked_order(aux_hidden_states, proposer.aux_hidden_state_layers)
+            ctx.hidden_row_start, ctx.hidden_row_index = committed_rows(query_start_loc, num_reqs, req_ids,
+                                                                        sampled_token_ids, scheduled_drafts)
+            # computed before this step = position of the step's first row
+            ctx.hidden_position_start = input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        if proposer.needs_kv_cache and self.enabled:
+            from vllm_treespec.kv_view import build_view
+
+            ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs, sampled_token_ids,
+                                      query_start_loc)
+        trees = self.proposer.propose_trees(ctx)
+        if len(trees) != num_reqs:
+            raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
+                               f"for {num_reqs} requests")
+        drafts, self.pending = flatten_trees(ctx, trees,
+                                             lambda req_id: bool(self.enabled) and self._request_can_use_tree(req_id))
+        return drafts
+
+    # --- hook: after _prepare_inputs -------------------------------------------------------------------------
+    def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
+        started = time.perf_counter()
+        pending, self.pending = self.pending, {}
+        self.batch = None
+        plan.publish(None)
+        if not pending:
+            return
+        input_batch = self.runner.input_batch
+        found = match_scheduled(pending, scheduler_output.scheduled_spec_decode_tokens, input_batch.req_id_to_index,
+                                num_scheduled_tokens)
+        if not found:
+            return
+        batch = build_batch(found, self.runner.query_start_loc.np, input_batch.num_computed_tokens_cpu)
+        rewrite_positions(self.runner.positions, batch)
+        self.batch = batch
+        plan.publish(batch)
+        if self.stats["tree_steps"] == 0:
+            logger.info("vllm_treespec: tree verification active (%d tree rows in the first tree step)", batch.num_reqs)
+        self.timer.add("attach", time.perf_counter() - started)
+
+    # --- hook: around _sample -----------------------------------------------------------------------------------
+    def sample(self, original, logits: torch.Tensor, spec_decode_metadata: Any):
+        batch, self.batch = self.batch, None
+        plan.publish(None)
+        if batch is None or spec_decode_metadata is None:
+            return original(logits, spec_decode_metadata)
+        started = time.perf_counter()
+        logits_index, row_offsets, widths = logits_rows(batch, spec_decode_metadata.num_draft_tokens)
+        greedy = greedy_mask(batch, self.runner.requests)
+        # Read what acceptance needs before vLLM's sampler runs (it may modify logits in place): argmax for greedy
+        # rows; a float32 copy only where sampling or the proposer needs full distributions.
+        argmax, tree_logits = read_logits(logits, logits_index,
+                                          full=not greedy.all() or self.proposer.wants_target_logits)
+        self.timer.add("accept", time.perf_counter() - started)
+
+        output = original(logits, spec_decode_metadata)
+
+        started = time.perf_counter()
+        input_batch = self.runner.input_batch
+        out_tokens, out_nodes, out_len = accept(
+            batch, row_offsets, widths, argmax, output.sampled_token_ids.shape[1] - 1, greedy, tree_logits,
+            input_batch.sampling_metadata, input_batch.num_reqs)
+        write_chain_form(output.sampled_token_ids, batch, out_tokens)
+        self.timer.add("accept", time.perf_counter() - started)
+
+        started = time.perf_counter()
+        self.last_moves = self._compact(batch, out_nodes, out_len)
+        self.timer.add("compact", time.perf_counter() - started)
+        self.timer.steps += 1
+        self.stats["tree_steps"] += 1
+        self.stats["tree_rows"] += batch.num_reqs
+        self.stats["accepted"] += int(out_len.sum())
+        if os.environ.get("VLLM_TREESPEC_DEBUG"):
+            logger.warning("vllm_treespec step: rows=%s accepted=%s", batch.rows.tolist(), out_len.tolist())
+
+        if type(self.proposer).on_verified is not TreeProposer.on_verified:
+            self.proposer.on_verified(verification_results(batch, out_tokens, out_nodes, out_len, tree_logits,
+                                                           row_offsets, widths, self.proposer.wants_target_logits))
+        return output
+
+    # --- KV compaction --------------------------------------------------------------------------------------------
+    def _compact(self, batch: TreeBatch, out_nodes: np.ndarray, out_len: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Move accepted nodes' K/V from their linear slots to the chain slots in every layer.
+        Returns the (source, destination) flattened-query rows, for chainizing hidden states."""
+        moves = accepted_moves(batch, out_nodes, out_len)
+        if moves is None:
+            return None
+        block_table = self.runner.input_batch.block_table[0]
+        table, block_size = block_table.block_table.np, block_table.block_size
+        compact_layers(self._attention_layers(), slots(table, block_size, moves.rows, moves.src_positions),
+                       slots(table, block_size, moves.rows, moves.dst_positions))
+        return moves.src_query_rows, moves.dst_query_rows
+
+    def chainize_rows(self, tensors) -> None:
+        """Apply this step's accepted-path moves to per-token rows (hidden / aux hidden states) in place."""
+        moves, self.last_moves = self.last_moves, None
+        if moves is not None:
+            chainize(tensors, moves)
+
+    # --- hook: finished requests --------------------------------------------------------------------------------
+    def finished(self, req_ids: set[str]) -> None:
+        if req_ids:
+            for req_id in req_ids:
+                self.pending.pop(req_id, None)
+            self.proposer.on_requests_finished(set(req_ids))
