@@ -106,15 +106,18 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     suffix_global: bool = True
     #: corpus datastore (``vllm-treespec datastore build``) for the suffix source; None = no corpus
     datastore: str | None = None
+    #: shortest n-gram ending the context that the n-gram source looks up
     ngram_min_n: int = 2
+    #: longest n-gram the n-gram source looks up
     ngram_max_n: int = 4
     #: model drafter head folder (an EAGLE-3 head or a KV-aware head); "auto" = the EAGLE-3 head
     #: `vllm-treespec train-eagle` wrote to the cache, "kv_aware" = the hybrid KV-aware head it wrote with
-    #: `--mode hybrid`, if there is one; "none" (default) = retrieval-only trees, which measured faster here than grafting onto the small SmolLM2 head
-    #: on CPU (scripts/bench_graft.py: tau 2.44 / 1.46x vs 2.05 / 0.83x at budget 16)
+    #: `--mode hybrid`, if there is one; "none" (default) = retrieval-only trees, which need no trained head (on CPU
+    #: with the small SmolLM2 head they are about as fast as grafting onto it: docs/benchmarks.md)
     eagle_checkpoint: str = "none"
-    #: the EAGLE drafter's levels below the root and children per expanded node (see eagle_tree)
+    #: the model drafter's levels below the root (eagle_tree's ``depth``)
     eagle_depth: int = 6
+    #: the model drafter's children per expanded node and nodes expanded per level (eagle_tree's ``top_k``)
     eagle_top_k: int = 8
     #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
     #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
@@ -138,7 +141,9 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_budget: int = 0
     #: JSON written by ``vllm-treespec graft calibrate``: thresholds and the budget-by-batch table
     calibration_path: str | None = None
+    #: a request's suffix automaton and n-gram index cover at most this many of its latest tokens
     max_tokens_per_request: int = 32768
+    #: requests whose retrieval state is kept (least recently used ones are dropped first)
     max_cached_requests: int = 256
 
     def __post_init__(self) -> None:

@@ -19,16 +19,21 @@ from vllm_treespec.retrieval import NgramRetriever
 class NgramTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: nodes per tree; None = the verify budget (num_speculative_tokens)
     max_nodes: int | None = None
+    #: shortest n-gram ending the context that is looked up
     min_n: int = 2
+    #: longest n-gram looked up; the longest one that occurred earlier selects the continuations
     max_n: int = 4
     #: most recent earlier occurrences of the matched n-gram that vote
     max_occurrences: int = 32
+    #: deepest level of the tree
     max_depth: int = 8
     #: drop a node whose confidence (fraction of agreeing occurrences) is below this
     min_token_prob: float = 0.0
     #: drop a node whose path confidence is below this
     min_confidence: float = 0.0
+    #: a request's index covers at most this many of its latest tokens
     max_tokens_per_request: int = 32768
+    #: requests whose index is kept (least recently used ones are dropped first)
     max_cached_requests: int = 256
 
     def __post_init__(self) -> None:

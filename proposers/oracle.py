@@ -21,9 +21,13 @@ from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 
 class OracleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     reference_path: str  # JSON list of token-id lists (prompt + continuation)
+    #: root children, each a chain ``depth`` deep
     branches: int = 3
+    #: nodes per branch
     depth: int = 4
+    #: the branch that carries the true continuation (0-based)
     true_branch: int = 0
+    #: true tokens at the top of that branch, decoys below: the drafts a greedy step accepts
     true_depth: int = 2
 
     def __post_init__(self) -> None:

@@ -14,7 +14,9 @@ from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 
 
 class StaticTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    #: root children: the continuations after the most recent earlier occurrences of the last token, newest first
     branches: int = 4
+    #: tokens drafted on each branch
     depth: int = 4
 
     def __post_init__(self) -> None:

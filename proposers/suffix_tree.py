@@ -23,6 +23,7 @@ from vllm_treespec.retrieval import SuffixRetriever, load_datastore
 class SuffixTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: nodes per tree; None = the verify budget (num_speculative_tokens)
     max_nodes: int | None = None
+    #: deepest level of the tree
     max_depth: int = 24
     #: drop a node whose confidence (empirical next-token probability) is below this
     min_token_prob: float = 0.1
@@ -38,8 +39,11 @@ class SuffixTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     use_global: bool = True
     #: also index the prompt of finished requests in the global store
     global_include_prompt: bool = False
+    #: tokens the global store of finished outputs holds; when full, the oldest outputs are dropped
     global_max_tokens: int = 1 << 20
+    #: a request's automaton covers at most this many of its latest tokens
     max_tokens_per_request: int = 32768
+    #: requests whose automaton is kept (least recently used ones are dropped first)
     max_cached_requests: int = 256
     #: corpus datastore file (``vllm-treespec datastore build``); None = no corpus
     datastore: str | None = None
