@@ -1,0 +1,215 @@
+"""The batch node budget (ECHO) on synthetic cost curves: flat -> full budget, steep -> no speculation, in between ->
+the size that maximises expected tokens per second (checked against brute force), ancestor closure, caps, and a
+batch's requests sharing one budget best-first."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_treespec.api import DraftTree
+from vllm_treespec.cost.allocate import DraftGate, allocate, is_ancestor_closed, path_probs, trim
+from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
+
+
+class Curve:
+    """Step seconds = fn(tokens) (+ per_request * (reqs - 1))."""
+
+    def __init__(self, fn, per_request=0.0):
+        self.fn, self.per_request = fn, per_request
+
+    def predict_many(self, num_tokens, num_reqs=1):
+        return self.fn(np.asarray(num_tokens, np.float64)) + self.per_request * (num_reqs - 1)
+
+
+FLAT = Curve(lambda t: np.full_like(t, 0.010))
+STEEP = Curve(lambda t: 0.060 * t)  # every token costs a whole plain step
+MIDDLE = Curve(lambda t: 0.060 + 0.006 * (t - 1))
+
+
+def tree(parents, probs, tokens=None):
+    n = len(parents)
+    return DraftTree(np.arange(n) if tokens is None else tokens, np.array(parents), np.array(probs, np.float32))
+
+
+def star(probs):
+    return tree([-1] * len(probs), probs)
+
+
+def random_tree(rng, n):
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    bfs = tree(parents, rng.uniform(0.05, 1.0, n)).breadth_first()
+    return DraftTree(np.arange(n), bfs.parents, bfs.node_probs)  # token id = node index
+
+
+def rate(trees_and_keeps, cost, num_reqs):
+    expected = num_reqs + sum(path_probs(t)[k].sum() for t, k in trees_and_keeps)
+    return expected / float(cost.predict_many(num_reqs + sum(int(k.sum()) for _, k in trees_and_keeps), num_reqs))
+
+
+def closed_subsets(t):
+    for bits in itertools.product([False, True], repeat=t.num_nodes):
+        keep = np.array(bits, bool)
+        if is_ancestor_closed(t, keep):
+            yield keep
+
+
+def test_path_probs_multiply_along_the_path_and_never_increase():
+    t = tree([-1, 0, 1, -1, 3], [0.5, 0.5, 2.0, 0.9, float("nan")])
+    assert path_probs(t).tolist() == pytest.approx([0.5, 0.25, 0.25, 0.9, 0.0])
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        r = random_tree(rng, 12)
+        pp = path_probs(r)
+        assert np.all(pp[r.parents >= 0] <= pp[r.parents[r.parents >= 0]])
+    with pytest.raises(ValueError):
+        path_probs(DraftTree.chain([1, 2]))
+
+
+def test_flat_curve_admits_the_full_budget():
+    t = star([0.6, 0.3, 0.05, 0.01])
+    a = allocate([t], FLAT)
+    assert a.num_nodes.tolist() == [4] and a.trees[0].num_nodes == 4
+    assert a.expected_tokens == pytest.approx(1 + 0.96, rel=1e-6)
+    a = allocate([t], FLAT, per_request_cap=3)
+    assert a.num_nodes.tolist() == [3]
+
+
+def test_steep_curve_admits_nothing():
+    a = allocate([star([0.9, 0.05]), tree([-1, 0, 1], [0.95, 0.95, 0.95])], STEEP)
+    assert a.num_nodes.tolist() == [0, 0] and a.trees == [None, None]
+    assert a.rate == pytest.approx(a.plain_rate) and a.seconds == pytest.approx(0.120)
+
+
+def test_zero_probability_nodes_are_never_admitted():
+    a = allocate([star([0.5, 0.0])], FLAT)
+    assert a.num_nodes.tolist() == [1]
+
+
+def test_in_between_picks_the_width_that_maximises_tokens_per_second():
+    probs = [0.5, 0.2, 0.12, 0.08, 0.05, 0.03, 0.02, 0.01]
+    t = star(probs)
+    a = allocate([t], MIDDLE)
+    # brute force over widths w (the w most likely children)
+    rates = [(1 + sum(probs[:w])) / float(MIDDLE.predict_many(1 + w)) for w in range(len(probs) + 1)]
+    best = int(np.argmax(rates))
+    assert 0 < best < len(probs)
+    assert a.num_nodes.tolist() == [best]
+    assert a.rate == pytest.approx(max(rates))
+    assert sorted(a.trees[0].node_probs.tolist()) == pytest.approx(sorted(probs[:best]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_over_every_ancestor_closed_subset(seed):
+    rng = np.random.default_rng(seed)
+    t = random_tree(rng, 9)
+    for cost in (MIDDLE, Curve(lambda x: 0.05 + 0.02 * np.maximum(x - 4, 0)),
+                 Curve(lambda x: 0.05 + 0.01 * np.floor((x - 1) / 4))):  # a stepped, GPU-tile-like curve
+        a = allocate([t], cost)
+        brute = max(rate([(t, k)], cost, 1) for k in closed_subsets(t))
+        assert a.rate == pytest.approx(brute, rel=1e-9)
+
+
+def test_admitted_sets_are_ancestor_closed_and_trimmed_trees_valid():
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        trees = [random_tree(rng, int(rng.integers(1, 20))) for _ in range(3)]
+        a = allocate(trees, MIDDLE, per_request_cap=int(rng.integers(1, 10)))
+        for t, kept in zip(trees, a.trees):
+            if kept is None:
+                continue
+            # every kept node's path is kept: its tokens' paths appear in the original (tokens are node ids here)
+            for i in range(kept.num_nodes):
+                original = int(kept.token_ids[i])
+                path = [int(kept.token_ids[j]) for j in kept.path_to(i)]
+                assert path == t.path_to(original)
+            assert np.all(np.diff(kept.depths()) >= 0)  # still breadth-first
+
+
+def test_equal_path_probabilities_keep_parents_first():
+    t = tree([-1, 0, 1, 2], [1.0, 1.0, 1.0, 1.0])  # all paths equally likely
+    a = allocate([t], Curve(lambda x: 0.06 + 0.05 * (x - 1)), per_request_cap=2)
+    assert a.trees[0].parents.tolist() == [-1, 0]
+
+
+def test_trim_reindexes_parents_and_refuses_open_sets():
+    t = tree([-1, -1, 0, 1, 2], [0.9, 0.8, 0.7, 0.6, 0.5])
+    kept = trim(t, np.array([True, False, True, False, True]))
+    assert kept.token_ids.tolist() == [0, 2, 4] and kept.parents.tolist() == [-1, 0, 1]
+    assert kept.node_probs.tolist() == pytest.approx([0.9, 0.7, 0.5])
+    with pytest.raises(ValueError):
+        trim(t, np.array([False, False, True, False, False]))
+    assert trim(t, np.ones(5, bool)) is t
+
+
+def test_per_request_cap_is_respected():
+    trees = [star([0.9] * 6), star([0.9] * 6)]
+    a = allocate(trees, FLAT, per_request_cap=[2, 4])
+    assert a.num_nodes.tolist() == [2, 4]
+
+
+def test_requests_share_the_batch_budget_best_first():
+    confident = tree([-1, 0, 1, 2], [0.9, 0.9, 0.9, 0.9])
+    unsure = star([0.3, 0.2, 0.1])
+    a = allocate([unsure, confident], FLAT, batch_cap=5)
+    # path probs: confident 0.9 0.81 0.729 0.656; unsure 0.3 0.2 0.1 -> the best five
+    assert a.num_nodes.tolist() == [1, 4]
+    a = allocate([unsure, confident], MIDDLE, num_reqs=2)
+    brute = max(rate([(unsure, ku), (confident, kc)], MIDDLE, 2)
+                for ku in closed_subsets(unsure) for kc in closed_subsets(confident))
+    assert a.rate == pytest.approx(brute, rel=1e-9)
+    assert a.num_nodes[1] >= a.num_nodes[0]
+
+
+def test_trees_without_probabilities_are_kept_and_counted():
+    plain = DraftTree.chain([5, 6, 7])
+    a = allocate([plain, star([0.9, 0.5]), None], FLAT, per_request_cap=2)
+    assert a.trees[0].token_ids.tolist() == [5, 6] and a.trees[2] is None
+    assert a.num_nodes.tolist() == [2, 2, 0]
+    a = allocate([plain, star([0.9, 0.5])], FLAT, batch_cap=4)
+    assert a.num_nodes.tolist() == [3, 1]
+
+
+def test_with_a_fitted_step_cost_model():
+    model = StepCostModel(PiecewiseLinear([1, 2, 4, 8, 16, 32], [0.06, 0.062, 0.065, 0.08, 0.11, 0.17]))
+    probs = [0.7, 0.5, 0.3, 0.2, 0.1, 0.08, 0.05, 0.04, 0.03, 0.02, 0.01, 0.01]
+    a = allocate([star(probs)], model)
+    rates = [(1 + sum(probs[:w])) / model.predict(1 + w) for w in range(len(probs) + 1)]
+    assert a.num_nodes.tolist() == [int(np.argmax(rates))]
+
+
+def test_min_gain_and_overhead_turn_marginal_speculation_off():
+    t = star([0.1])
+    cost = Curve(lambda x: 0.06 + 0.004 * (x - 1))
+    assert allocate([t], cost).num_nodes.tolist() == [1]  # 1.1 / 0.064 > 1 / 0.06
+    assert allocate([t], cost, min_gain=0.05).num_nodes.tolist() == [0]
+    assert allocate([t], cost, overhead=0.005).num_nodes.tolist() == [0]
+
+
+def test_draft_gate_runs_the_drafter_only_when_it_pays():
+    trees = [star([0.8, 0.4, 0.2])]
+    gate = DraftGate(FLAT, drafter_cost=None, probe_every=3)
+    assert gate.should_draft(1)  # no history
+    gate.record(trees)
+    assert gate.should_draft(1)
+    steep = DraftGate(STEEP, probe_every=3)
+    steep.record(trees)
+    assert [steep.should_draft(1) for _ in range(5)] == [False, False, False, True, False]
+
+    class Drafter:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def predict(self, x):
+            return self.seconds
+
+    cheap, dear = DraftGate(MIDDLE, Drafter(0.001)), DraftGate(MIDDLE, Drafter(0.2))
+    cheap.record(trees)
+    dear.record(trees)
+    assert cheap.should_draft(2) and not dear.should_draft(2)
+    # one node per request at most: 0.8 each for two requests, a step of 3 or 4 tokens plus the drafter's 1 ms
+    best, plain = cheap.expected_best(2, max_nodes=1, drafter_seconds=0.001)
+    assert best == pytest.approx(max((2 + 0.8) / (0.072 + 0.001), (2 + 1.6) / (0.078 + 0.001)))
+    assert plain == pytest.approx(2 / 0.066)

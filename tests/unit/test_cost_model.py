@@ -1,0 +1,204 @@
+"""The step-cost model on synthetic timings: fit and predict, online refinement, the disk cache (round trip; a
+corrupt or foreign file is ignored with one log line)."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import numpy as np
+import pytest
+
+from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRecord, CurveModel, PiecewiseLinear,
+                                      StepCostModel, StepSample, isotonic, load_or_measure)
+
+GRID = [1, 2, 4, 8, 16, 32, 64]
+
+
+def cpu_like(t, r=1):
+    """A CPU-ish step: 60 ms + 4 ms per token beyond 4, plus 3 ms per extra request."""
+    return 0.060 + 0.004 * np.maximum(np.asarray(t, float) - 4, 0) + 0.003 * (r - 1)
+
+
+def samples_of(fn, grid=GRID, reqs=(1,), repeats=5, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [StepSample(t * r if r > 1 else t, r, float(fn(t * r if r > 1 else t, r) * (1 + noise * rng.standard_normal())))
+            for r in reqs for t in grid for _ in range(repeats)]
+
+
+KEY = CostKey(model="/models/smollm2", dtype="float32", device="AMD EPYC 7B13", vllm_version="0.32.0+cpu",
+              torch_threads=1)
+
+
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture
+def log_lines():
+    handler = LogLines()
+    logger = logging.getLogger("vllm.treespec")
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_isotonic_pools_violators():
+    assert isotonic([1, 3, 2, 4]).tolist() == [1, 2.5, 2.5, 4]
+    assert isotonic([5, 4, 3]).tolist() == [4, 4, 4]
+    assert isotonic([1, 2, 3]).tolist() == [1, 2, 3]
+    assert isotonic([1, 3, 2], [1, 3, 1]).tolist() == [1, 2.75, 2.75]
+
+
+def test_piecewise_linear_extrapolates_with_last_slope_and_is_flat_below():
+    curve = PiecewiseLinear([2, 4, 8], [1.0, 2.0, 4.0])
+    assert curve(1.0) == pytest.approx(1.0)
+    assert curve(3.0) == pytest.approx(1.5)
+    assert curve(16.0) == pytest.approx(8.0)
+    assert PiecewiseLinear([4], [2.0])(100.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        PiecewiseLinear([1, 1], [1.0, 2.0])
+
+
+def test_fit_predicts_held_out_points_of_a_noisy_curve():
+    model = StepCostModel.fit(samples_of(cpu_like, reqs=(1, 2, 4), noise=0.03))
+    for t in (3, 6, 12, 24, 48, 96):
+        assert model.predict(t) == pytest.approx(float(cpu_like(t)), rel=0.05), t
+    assert model.per_request == pytest.approx(0.003, rel=0.3)
+    assert model.predict(16, 4) == pytest.approx(float(cpu_like(16, 4)), rel=0.05)
+    assert model.marginal(32) == pytest.approx(0.004, rel=0.1)
+    rows = model.table([1, 8], num_reqs=1)
+    assert [r[:2] for r in rows] == [(1, 1), (8, 1)]
+
+
+def test_fit_is_monotone_and_flat_on_a_flat_curve():
+    flat = StepCostModel.fit(samples_of(lambda t, r: 0.010, noise=0.02))
+    values = flat.predict_many(np.arange(1, 200))
+    assert np.all(np.diff(values) >= 0)
+    assert values.max() / values.min() < 1.1
+    assert flat.per_request == 0.0
+
+
+def test_fit_needs_single_request_samples_and_ignores_bad_timings():
+    with pytest.raises(ValueError):
+        StepCostModel.fit([StepSample(8, 2, 0.1)])
+    model = StepCostModel.fit([StepSample(1, 1, 0.05), StepSample(1, 1, float("nan")), StepSample(2, 1, -1.0),
+                               StepSample(4, 1, 0.07)])
+    assert model.predict(2) == pytest.approx(0.05 + 0.02 / 3)  # between the knots 1 and 4
+
+
+def test_online_refinement_follows_a_shifted_curve():
+    model = StepCostModel.fit(samples_of(cpu_like))
+
+    def shifted(t, r=1):  # twice as slow, and tree steps pay 20 ms more than the sweep saw
+        return 2 * cpu_like(t, r) + 0.020 * (np.asarray(t) > 1)
+
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        for t in (1, 5, 17):
+            model.observe(t, 1, float(shifted(t)) * (1 + 0.02 * rng.standard_normal()))
+    for t in (1, 5, 17):
+        assert model.predict(t) == pytest.approx(float(shifted(t)), rel=0.05), t
+    # between observed buckets the correction interpolates; beyond them it stays flat
+    assert float(cpu_like(9)) * 2 < model.predict(9) < float(shifted(9)) * 1.1
+    # one outlier moves a bucket by a bounded amount
+    before = model.predict(17)
+    model.observe(17, 1, 1000.0)
+    assert model.predict(17) < before * 1.2
+
+
+def test_curve_model_for_a_drafter():
+    drafter = CurveModel.fit([StepSample(1, r, 0.002 * r) for r in (1, 2, 4, 8) for _ in range(3)])
+    assert drafter.predict(6) == pytest.approx(0.012)
+    for _ in range(50):
+        drafter.observe(4, 0.016)
+    assert drafter.predict(4) == pytest.approx(0.016, rel=0.02)
+
+
+def record_of(key=KEY):
+    return CostRecord(format_version=FORMAT_VERSION, key=key, samples=samples_of(cpu_like, reqs=(1, 2), repeats=1),
+                      drafters={"graft": [StepSample(1, 1, 0.003)]}, measured_at=1.0)
+
+
+def test_cache_round_trip(tmp_path, log_lines):
+    cache = CostCache(tmp_path)
+    assert cache.load(KEY) is None and log_lines == []
+    path = cache.save(record_of())
+    assert path is not None and path.parent == tmp_path and path.name.startswith("smollm2-float32-")
+    loaded = cache.load(KEY)
+    assert loaded == record_of()
+    assert loaded.step_model().predict(10) == pytest.approx(StepCostModel.fit(record_of().samples).predict(10))
+    assert log_lines == []
+    assert list(tmp_path.iterdir()) == [path]  # no temporary left behind
+
+
+def test_default_cache_folder_is_under_the_settings_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_TREESPEC_CACHE", str(tmp_path))
+    assert CostCache().path(KEY).parent == tmp_path / "cost_models"
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"format_version": 1}', b"[1, 2]",
+                                     b'{"format_version": 1, "key": {}, "samples": []}'])
+def test_corrupt_cache_is_ignored_with_one_log_line(tmp_path, log_lines, content):
+    cache = CostCache(tmp_path)
+    cache.path(KEY).parent.mkdir(parents=True, exist_ok=True)
+    cache.path(KEY).write_bytes(content)
+    assert cache.load(KEY) is None
+    assert len(log_lines) == 1 and "cost-model cache" in log_lines[0].getMessage()
+
+
+def test_record_without_single_request_samples_is_corrupt(tmp_path, log_lines):
+    cache = CostCache(tmp_path)
+    bad = CostRecord(format_version=FORMAT_VERSION, key=KEY, samples=[StepSample(4, 2, 0.1)])
+    cache.save(bad)
+    assert cache.load(KEY) is None
+    assert len(log_lines) == 1 and "corrupt" in log_lines[0].getMessage()
+
+
+def test_foreign_cache_is_ignored_with_one_log_line(tmp_path, log_lines):
+    cache = CostCache(tmp_path)
+    other = msgspec.structs.replace(KEY, device="NVIDIA H100")
+    cache.path(KEY).parent.mkdir(parents=True, exist_ok=True)
+    cache.path(KEY).write_bytes(msgspec.json.encode(record_of(other)))  # another engine's record under our name
+    assert cache.load(KEY) is None
+    assert len(log_lines) == 1
+    assert "another engine" in log_lines[0].getMessage() and "NVIDIA H100" in log_lines[0].getMessage()
+    # a future format version
+    future = msgspec.json.decode(msgspec.json.encode(record_of()))
+    future["format_version"] = FORMAT_VERSION + 1
+    future["new_field"] = [1, 2]
+    cache.path(KEY).write_bytes(msgspec.json.encode(future))
+    assert cache.load(KEY) is None
+    assert len(log_lines) == 2 and "format" in log_lines[1].getMessage()
+
+
+def test_load_or_measure_measures_once_then_reads_the_cache(tmp_path, log_lines):
+    cache = CostCache(tmp_path)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return record_of()
+
+    record, cached = load_or_measure(KEY, measure, cache)
+    assert not cached and calls == [1]
+    record2, cached2 = load_or_measure(KEY, measure, cache)
+    assert cached2 and record2 == record and calls == [1]
+    cache.path(KEY).write_bytes(b"\x00garbage")
+    record3, cached3 = load_or_measure(KEY, measure, cache)
+    assert not cached3 and calls == [1, 1] and len(log_lines) == 1
+    assert cache.load(KEY) == record  # re-measured and rewritten
+
+
+def test_unwritable_cache_logs_and_goes_on(tmp_path, log_lines):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert CostCache(blocker / "sub").save(record_of()) is None
+    assert len(log_lines) == 1

@@ -1,0 +1,233 @@
+"""The batch's node budget (ECHO, arXiv 2604.09603): every request's draft tree is one branch of a super-tree, and
+one rule decides width, depth and the split across requests.
+
+A node's expected value is its *path* acceptance probability, the product of the (calibrated) per-node probabilities
+``DraftTree.node_probs`` along its path: summed over a tree, the expected number of accepted tokens (siblings hold
+distinct tokens, so their events are disjoint). Path probabilities never increase with depth (each factor is clipped
+to [0, 1]), so admitting nodes best-first — ties broken by node index, parents come first — always admits an
+ancestor-closed set. The rule: with ``E0`` tokens expected from plain decoding (one per decoding request) in ``t(T0)``,
+admitting the first ``k`` nodes yields ``(E0 + G_k) / t(T0 + k)`` tokens per second, where ``G_k`` is the sum of the
+first ``k`` path probabilities. ECHO admits while the next node's marginal gain per marginal second beats the rate so
+far; we take the best prefix outright (the same prefix where the rate is unimodal in ``k``, and still the best on
+cost curves with steps), and admit nothing — plain decoding — when no prefix beats ``E0 / t(T0)``.
+
+:class:`DraftGate` decides whether a drafter should run at all: the best rate its recent trees could reach, with its
+measured cost added to the step, against plain decoding's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from vllm_treespec.api import DraftTree
+
+
+class StepCost(Protocol):
+    def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1) -> np.ndarray: ...
+
+
+def path_probs(tree: DraftTree) -> np.ndarray:
+    """Acceptance probability of each node's whole path (float64, non-increasing from parent to child)."""
+    if tree.node_probs is None:
+        raise ValueError("the tree has no node_probs")
+    q = np.clip(np.nan_to_num(tree.node_probs.astype(np.float64), nan=0.0), 0.0, 1.0)
+    out = np.empty_like(q)
+    for i, p in enumerate(tree.parents.tolist()):
+        out[i] = q[i] if p < 0 else out[p] * q[i]
+    return out
+
+
+def is_ancestor_closed(tree: DraftTree, keep: np.ndarray) -> bool:
+    parents = tree.parents
+    kept = np.flatnonzero(keep)
+    return bool(np.all((parents[kept] < 0) | keep[np.maximum(parents[kept], 0)]))
+
+
+def trim(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The subtree of the kept nodes, in their original (topological; BFS stays BFS) order, parents re-indexed."""
+    keep = np.asarray(keep, bool)
+    if keep.shape != (tree.num_nodes,):
+        raise ValueError(f"keep has shape {keep.shape} for {tree.num_nodes} nodes")
+    if not is_ancestor_closed(tree, keep):
+        raise ValueError("the kept nodes are not ancestor-closed")
+    if keep.all():
+        return tree
+    new_index = np.cumsum(keep) - 1
+    parents = tree.parents[keep]
+    new_parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]).astype(np.int32)
+    probs = None if tree.node_probs is None else tree.node_probs[keep]
+    return DraftTree(tree.token_ids[keep], new_parents, probs)
+
+
+@dataclass
+class Allocation:
+    """The admitted nodes. ``trees[i]`` is request i's trimmed tree (the input tree when it had no node_probs, None
+    when it was None or nothing of it was admitted); ``num_nodes[i]`` its admitted node count."""
+
+    trees: list[DraftTree | None]
+    num_nodes: np.ndarray
+    expected_tokens: float  # per step, plain decoding's tokens included
+    seconds: float  # predicted step time
+    plain_rate: float  # tokens per second without these drafts
+    gains: np.ndarray = field(default_factory=lambda: np.zeros(0))  # path probs of the candidates, best first
+
+    @property
+    def rate(self) -> float:
+        return self.expected_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def total_nodes(self) -> int:
+        return int(self.num_nodes.sum())
+
+
+def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
+                overhead: float = 0.0, min_gain: float = 0.0) -> tuple[int, float, float, float]:
+    """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]).
+    Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain."""
+    k_all = np.arange(gains.size + 1)
+    seconds = np.asarray(cost.predict_many(base_tokens + k_all, num_reqs), np.float64).copy()
+    seconds[1:] += overhead
+    expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
+    rates = expected / np.maximum(seconds, 1e-12)
+    k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
+    plain = float(rates[0])
+    if k and not rates[k] > plain * (1 + min_gain):
+        k = 0
+    return k, float(expected[k]), float(seconds[k]), plain
+
+
+def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int | None = None,
+             base_tokens: int | None = None, base_expected: float | None = None,
+             per_request_cap: int | Sequence[int] | None = None, batch_cap: int | None = None,
+             overhead: float = 0.0, min_gain: float = 0.0) -> Allocation:
+    """Admit the batch's draft nodes best-first by path probability while they raise expected tokens per second.
+
+    trees: one per request (None: no draft). Trees without ``node_probs`` are kept whole; their nodes count as
+        step tokens with no expected gain.
+    num_reqs: requests in the step (default ``len(trees)``); base_tokens: the step's tokens without drafts (default
+        ``num_reqs``, one per decoding request; add prefill chunks); base_expected: tokens plain decoding yields per
+        step (default ``num_reqs``).
+    per_request_cap: most nodes per request (``num_speculative_tokens``), an int or one per request;
+        batch_cap: most nodes in the step.
+    overhead: seconds a step with drafts costs beyond the curve (host work of tree verification).
+    min_gain: admit only if the rate beats plain decoding's by this relative margin.
+    """
+    n = len(trees)
+    num_reqs = n if num_reqs is None else int(num_reqs)
+    base_tokens = num_reqs if base_tokens is None else int(base_tokens)
+    base_expected = float(num_reqs if base_expected is None else base_expected)
+    caps = np.full(n, np.iinfo(np.int64).max, np.int64) if per_request_cap is None else (
+        np.broadcast_to(np.asarray(per_request_cap, np.int64), (n,)).copy())
+    fixed = 0
+    probs: list[np.ndarray] = []
+    for i, tree in enumerate(trees):
+        if tree is not None and tree.node_probs is None:
+            fixed += min(tree.num_nodes, int(caps[i]))
+        probs.append(path_probs(tree) if tree is not None and tree.node_probs is not None and tree.num_nodes
+                     else np.zeros(0))
+    req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)]) if n else np.zeros(0, np.int64)
+    node = np.concatenate([np.arange(p.size) for p in probs]) if n else np.zeros(0, np.int64)
+    p_all = np.concatenate(probs) if n else np.zeros(0)
+    order = np.lexsort((node, req, -p_all))  # best first; equal paths: lower request, then parent before child
+    counts = np.zeros(n, np.int64)
+    room = np.iinfo(np.int64).max if batch_cap is None else max(int(batch_cap) - fixed, 0)
+    candidates = []
+    for j in order.tolist():
+        if len(candidates) >= room or p_all[j] <= 0:
+            break
+        i = int(req[j])
+        if counts[i] < caps[i]:
+            counts[i] += 1
+            candidates.append(j)
+    candidates = np.array(candidates, np.int64)
+    gains = p_all[candidates] if candidates.size else np.zeros(0)
+    k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
+                                              min_gain)
+    admitted = candidates[:k]
+    out: list[DraftTree | None] = []
+    num_nodes = np.zeros(n, np.int64)
+    offsets = np.concatenate([[0], np.cumsum([p.size for p in probs])]).astype(np.int64)
+    for i, tree in enumerate(trees):
+        if tree is None:
+            out.append(None)
+            continue
+        if tree.node_probs is None:
+            kept = tree.truncate(int(min(tree.num_nodes, caps[i])))
+            num_nodes[i] = kept.num_nodes
+            out.append(kept)
+            continue
+        keep = np.zeros(tree.num_nodes, bool)
+        mine = admitted[req[admitted] == i] - offsets[i]
+        keep[mine] = True
+        num_nodes[i] = int(keep.sum())
+        out.append(trim(tree, keep) if num_nodes[i] else None)
+    return Allocation(out, num_nodes, expected, seconds, plain, gains)
+
+
+class DrafterCost(Protocol):
+    def predict(self, x: float) -> float: ...
+
+
+class DraftGate:
+    """Whether running the drafter pays: the best rate its trees could reach — per-request marginal gains learnt
+    from recent allocations' candidates (an exponentially weighted mean, best first), merged best-first across the
+    batch — with the drafter's own seconds added to the step, against plain decoding's rate. With no history it
+    drafts; after ``probe_every`` consecutive skipped steps it drafts once to refresh what its trees are worth.
+    Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
+
+    def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
+                 probe_every: int = 16, overhead: float = 0.0) -> None:
+        self.cost = cost
+        self.drafter_cost = drafter_cost
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self.overhead = overhead
+        self.marginal: np.ndarray | None = None  # per-request expected gain of its j-th best node
+        self.skipped = 0
+
+    def record(self, trees: Sequence[DraftTree | None]) -> None:
+        """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
+        (the gain of a request's j-th best node)."""
+        sorted_probs = [np.sort(path_probs(t))[::-1] for t in trees
+                        if t is not None and t.node_probs is not None and t.num_nodes]
+        if not sorted_probs:
+            return
+        size = max(p.size for p in sorted_probs)
+        current = np.mean([np.pad(p, (0, size - p.size)) for p in sorted_probs], axis=0)
+        if self.marginal is None:
+            self.marginal = current
+            return
+        size = max(current.size, self.marginal.size)
+        old = np.pad(self.marginal, (0, size - self.marginal.size))
+        self.marginal = (1 - self.alpha) * old + self.alpha * np.pad(current, (0, size - current.size))
+
+    def expected_best(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
+                      drafter_seconds: float = 0.0) -> tuple[float, float]:
+        """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests."""
+        base = num_reqs if base_tokens is None else base_tokens
+        per_request = self.marginal if self.marginal is not None else np.zeros(0)
+        if max_nodes is not None:
+            per_request = per_request[:max_nodes]
+        gains = np.sort(np.repeat(per_request, num_reqs))[::-1]
+        k_all = np.arange(gains.size + 1)
+        seconds = np.asarray(self.cost.predict_many(base + k_all, num_reqs), np.float64).copy()
+        seconds[1:] += drafter_seconds + self.overhead
+        rates = (num_reqs + np.concatenate([[0.0], np.cumsum(gains)])) / np.maximum(seconds, 1e-12)
+        return float(rates[1:].max()) if gains.size else 0.0, float(rates[0])
+
+    def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None) -> bool:
+        if num_reqs <= 0:
+            return False
+        if self.marginal is None or self.skipped >= self.probe_every:
+            self.skipped = 0
+            return True
+        drafter = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else 0.0
+        best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
+        if best > plain:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False

@@ -1,0 +1,353 @@
+"""The step-cost model: seconds per forward step as a function of the tokens in the step and the requests sharing it.
+
+    t(T, R) = f(T) + c * (R - 1),  then times an online correction g(T)
+
+* ``f`` is piecewise linear over measured token counts (the knots), made non-decreasing by isotonic regression
+  (pool-adjacent-violators), flat below the first knot and extended beyond the last with the last segment's slope;
+* ``c >= 0`` is a per-request term (attention and bookkeeping per sequence), a least-squares fit of the multi-request
+  samples' residuals;
+* ``g`` is learnt from the engine's own step times (:meth:`StepCostModel.observe`): an exponentially weighted mean of
+  log(observed / predicted) per power-of-two token bucket, interpolated in log2(T) between the buckets seen so far,
+  so that drift, other load and costs the sweep cannot see (the tree-attention path) are followed.
+
+Nothing here is specific to a device: a GPU's measured points give a flat ``f`` and so a flat curve. The fitted points
+are cached on disk per engine (:class:`CostCache`, keyed by :class:`CostKey`); a corrupt or foreign file is ignored
+with one log line. Imports numpy and msgspec only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import msgspec
+import numpy as np
+
+from vllm_treespec.settings import default_cache_dir
+
+logger = logging.getLogger("vllm.treespec")
+
+#: bump when the meaning of a cached record changes; records of other versions are foreign
+FORMAT_VERSION = 1
+CACHE_SUBDIR = "cost_models"
+DEFAULT_ALPHA = 0.1
+#: one observation moves a bucket's correction by at most this factor (a GC pause or a page fault is not a trend)
+MAX_OBSERVED_RATIO = 4.0
+
+
+class StepSample(msgspec.Struct, frozen=True):
+    """One timed step: ``num_tokens`` tokens of ``num_reqs`` requests took ``seconds``."""
+
+    num_tokens: int
+    num_reqs: int
+    seconds: float
+
+
+def isotonic(y: Sequence[float], weights: Sequence[float] | None = None) -> np.ndarray:
+    """The non-decreasing sequence closest to ``y`` in weighted least squares (pool adjacent violators)."""
+    y = np.asarray(y, np.float64)
+    w = np.ones_like(y) if weights is None else np.asarray(weights, np.float64)
+    blocks: list[list[float]] = []  # [weighted mean, weight, length]
+    for value, weight in zip(y.tolist(), w.tolist()):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks[-1]
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return np.concatenate([np.full(n, v) for v, _, n in blocks]) if blocks else y
+
+
+class PiecewiseLinear:
+    """Non-decreasing piecewise-linear curve through ``(x, y)`` knots; flat below the first knot, extended with the
+    last segment's slope beyond the last one (flat with a single knot)."""
+
+    def __init__(self, x: Sequence[float], y: Sequence[float], weights: Sequence[float] | None = None) -> None:
+        x = np.asarray(x, np.float64)
+        y = np.asarray(y, np.float64)
+        if x.size == 0 or x.shape != y.shape:
+            raise ValueError("a curve needs at least one knot and as many values as knots")
+        if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y)) and np.all(y >= 0)):
+            raise ValueError("knots must be finite and values non-negative")
+        order = np.argsort(x, kind="stable")
+        x, y = x[order], y[order]
+        if np.any(np.diff(x) <= 0):
+            raise ValueError("knots must be distinct")
+        self.x = x
+        self.y = isotonic(y, None if weights is None else np.asarray(weights, np.float64)[order])
+        self.tail_slope = float((self.y[-1] - self.y[-2]) / (x[-1] - x[-2])) if x.size > 1 else 0.0
+
+    def __call__(self, x: float | np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        inside = np.interp(x, self.x, self.y)
+        return np.where(x > self.x[-1], self.y[-1] + self.tail_slope * (x - self.x[-1]), inside)
+
+
+class OnlineCorrection:
+    """Multiplicative correction from observed / predicted ratios.
+
+    Each observation updates the bucket ``round(log2(x))`` with an exponentially weighted mean of the clipped log
+    ratio (bias-corrected, with a prior worth one observation of ratio 1, so one step cannot swing a bucket fully);
+    :meth:`factor` interpolates the buckets seen so far in log2(x) and is flat beyond them (1 before any observation).
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA, max_ratio: float = MAX_OBSERVED_RATIO) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.max_log = math.log(max_ratio)
+        self._mean: dict[int, float] = {}
+        self._weight: dict[int, float] = {}
+        self._table: tuple[np.ndarray, np.ndarray] | None = None
+
+    def observe(self, x: float, ratio: float) -> None:
+        if not (math.isfinite(ratio) and ratio > 0 and x >= 1):
+            return
+        bucket = int(round(math.log2(x)))
+        a = self.alpha
+        e = min(max(math.log(ratio), -self.max_log), self.max_log)
+        self._mean[bucket] = (1 - a) * self._mean.get(bucket, 0.0) + a * e
+        self._weight[bucket] = (1 - a) * self._weight.get(bucket, a) + a
+        self._table = None
+
+    @property
+    def buckets(self) -> dict[int, float]:
+        """Bucket (log2 of tokens) -> current factor."""
+        return {b: math.exp(self._mean[b] / self._weight[b]) for b in sorted(self._mean)}
+
+    def factor(self, x: float | np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        if not self._mean:
+            return np.ones_like(x)
+        if self._table is None:
+            keys = sorted(self._mean)
+            self._table = (np.array(keys, np.float64),
+                           np.array([self._mean[b] / self._weight[b] for b in keys], np.float64))
+        anchors, logs = self._table
+        return np.exp(np.interp(np.log2(np.maximum(x, 1.0)), anchors, logs))
+
+    def reset(self) -> None:
+        self._mean.clear()
+        self._weight.clear()
+        self._table = None
+
+
+def _medians(samples: Iterable[StepSample]) -> dict[tuple[int, int], tuple[float, int]]:
+    """(tokens, requests) -> (median seconds, count), ignoring non-positive or non-finite timings."""
+    groups: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        if s.num_tokens >= 1 and s.num_reqs >= 1 and math.isfinite(s.seconds) and s.seconds > 0:
+            groups.setdefault((int(s.num_tokens), int(s.num_reqs)), []).append(float(s.seconds))
+    return {k: (float(np.median(v)), len(v)) for k, v in groups.items()}
+
+
+class StepCostModel:
+    """Predicted seconds of a forward step; see the module docstring for the form."""
+
+    def __init__(self, curve: PiecewiseLinear, per_request: float = 0.0, alpha: float = DEFAULT_ALPHA) -> None:
+        self.curve = curve
+        self.per_request = max(float(per_request), 0.0)
+        self.correction = OnlineCorrection(alpha)
+
+    @classmethod
+    def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA) -> StepCostModel:
+        """Knots from the single-request samples (median per token count), the per-request term from the others."""
+        medians = _medians(samples)
+        single = sorted((t, m, n) for (t, r), (m, n) in medians.items() if r == 1)
+        if not single:
+            raise ValueError("a step-cost fit needs timed single-request steps")
+        curve = PiecewiseLinear([t for t, _, _ in single], [m for _, m, _ in single], [n for _, _, n in single])
+        multi = [(t, r, m) for (t, r), (m, _) in medians.items() if r > 1]
+        per_request = 0.0
+        if multi:
+            extra = np.array([r - 1 for _, r, _ in multi], np.float64)
+            residual = np.array([m for _, _, m in multi]) - curve(np.array([t for t, _, _ in multi], np.float64))
+            per_request = float(max(np.dot(extra, residual) / np.dot(extra, extra), 0.0))
+        return cls(curve, per_request, alpha)
+
+    # --- prediction ----------------------------------------------------------------------------------------------
+    def base(self, num_tokens: float | np.ndarray, num_reqs: int = 1) -> np.ndarray:
+        """The fitted curve without the online correction."""
+        return self.curve(num_tokens) + self.per_request * max(int(num_reqs) - 1, 0)
+
+    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1) -> np.ndarray:
+        tokens = np.asarray(num_tokens, np.float64)
+        return self.base(tokens, num_reqs) * self.correction.factor(tokens)
+
+    def predict(self, num_tokens: float, num_reqs: int = 1) -> float:
+        """Seconds of a step with ``num_tokens`` tokens from ``num_reqs`` requests."""
+        return float(self.predict_many(num_tokens, num_reqs))
+
+    def marginal(self, num_tokens: float, num_reqs: int = 1, extra: int = 1) -> float:
+        """Seconds added by ``extra`` more tokens in a step that has ``num_tokens`` (per added token if extra > 1:
+        the mean)."""
+        return (self.predict(num_tokens + extra, num_reqs) - self.predict(num_tokens, num_reqs)) / extra
+
+    # --- online refinement -----------------------------------------------------------------------------------------
+    def observe(self, num_tokens: int, num_reqs: int, seconds: float) -> None:
+        """Fold one observed step time into the correction of its token bucket."""
+        base = float(self.base(num_tokens, num_reqs))
+        if base > 0:
+            self.correction.observe(num_tokens, seconds / base)
+
+    def table(self, tokens: Sequence[int], num_reqs: int = 1) -> list[tuple[int, int, float, float]]:
+        """(tokens, requests, seconds, marginal seconds per token) for each token count."""
+        return [(int(t), num_reqs, self.predict(t, num_reqs), self.marginal(t, num_reqs)) for t in tokens]
+
+
+class CurveModel:
+    """A one-argument cost (a drafter's seconds as a function of the requests it drafts for): the same
+    piecewise-linear fit and online correction as :class:`StepCostModel`, on samples' ``num_reqs``."""
+
+    def __init__(self, curve: PiecewiseLinear, alpha: float = DEFAULT_ALPHA) -> None:
+        self.curve = curve
+        self.correction = OnlineCorrection(alpha)
+
+    @classmethod
+    def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA) -> CurveModel:
+        medians = _medians(samples)
+        by_reqs: dict[int, list[tuple[float, int]]] = {}
+        for (_, r), (m, n) in medians.items():
+            by_reqs.setdefault(r, []).append((m, n))
+        if not by_reqs:
+            raise ValueError("a cost fit needs timed samples")
+        xs = sorted(by_reqs)
+        ys = [float(np.median([m for m, _ in by_reqs[x]])) for x in xs]
+        return cls(PiecewiseLinear(xs, ys, [sum(n for _, n in by_reqs[x]) for x in xs]), alpha)
+
+    def predict(self, x: float) -> float:
+        return float(self.curve(x) * self.correction.factor(x))
+
+    def observe(self, x: float, seconds: float) -> None:
+        base = float(self.curve(x))
+        if base > 0:
+            self.correction.observe(x, seconds / base)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Disk cache
+
+
+class CostKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a measured curve depends on."""
+
+    model: str
+    dtype: str
+    device: str
+    vllm_version: str
+    torch_threads: int
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+    def file_name(self) -> str:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(self.model.rstrip("/")).name or "model")[:48]
+        return f"{stem}-{self.dtype}-{self.digest()}.json"
+
+
+class CostRecord(msgspec.Struct, forbid_unknown_fields=True):
+    """A cached measurement: the engine it was made on and its timed steps (drafter probes by drafter name)."""
+
+    format_version: int
+    key: CostKey
+    samples: list[StepSample]
+    drafters: dict[str, list[StepSample]] = {}
+    measured_at: float = 0.0
+
+    def step_model(self, alpha: float = DEFAULT_ALPHA) -> StepCostModel:
+        return StepCostModel.fit(self.samples, alpha)
+
+
+def _key_difference(found: CostKey, wanted: CostKey) -> str:
+    fields = [f for f in CostKey.__struct_fields__ if getattr(found, f) != getattr(wanted, f)]
+    return ", ".join(f"{f}={getattr(found, f)!r} (this engine: {getattr(wanted, f)!r})" for f in fields)
+
+
+class CostCache:
+    """``<cache>/cost_models/<model>-<dtype>-<key digest>.json``: one :class:`CostRecord` per engine key."""
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        self.root = Path(root) if root is not None else default_cache_dir() / CACHE_SUBDIR
+
+    def path(self, key: CostKey) -> Path:
+        return self.root / key.file_name()
+
+    def load(self, key: CostKey) -> CostRecord | None:
+        """The cached record for ``key``; None (and one log line) when it is unreadable, corrupt or another
+        engine's; None silently when there is none."""
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("vllm_treespec: cannot read the cost-model cache %s (%s); measuring again", path, e)
+            return None
+        try:
+            record = msgspec.json.decode(data, type=CostRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            version = _format_version_of(data)
+            if version is not None and version != FORMAT_VERSION:
+                logger.warning("vllm_treespec: ignoring the cost-model cache %s (format %s, this version reads %d); "
+                               "measuring again", path, version, FORMAT_VERSION)
+            else:
+                logger.warning("vllm_treespec: ignoring the corrupt cost-model cache %s (%s); measuring again",
+                               path, e)
+            return None
+        if record.format_version != FORMAT_VERSION or record.key != key:
+            why = (f"format {record.format_version}, this version reads {FORMAT_VERSION}"
+                   if record.format_version != FORMAT_VERSION else _key_difference(record.key, key))
+            logger.warning("vllm_treespec: ignoring the cost-model cache %s made for another engine (%s); "
+                           "measuring again", path, why)
+            return None
+        try:
+            record.step_model()
+        except ValueError as e:
+            logger.warning("vllm_treespec: ignoring the corrupt cost-model cache %s (%s); measuring again", path, e)
+            return None
+        return record
+
+    def save(self, record: CostRecord) -> Path | None:
+        """Write atomically (temporary file renamed into place); None and one log line if the folder is not
+        writable."""
+        path = self.path(record.key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(msgspec.json.format(msgspec.json.encode(record), indent=1))
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            logger.warning("vllm_treespec: cannot write the cost-model cache %s (%s)", path, e)
+            return None
+        return path
+
+
+def _format_version_of(data: bytes) -> int | None:
+    try:
+        value = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None
+    version = value.get("format_version") if isinstance(value, dict) else None
+    return version if isinstance(version, int) else None
+
+
+def load_or_measure(key: CostKey, measure: Callable[[], CostRecord], cache: CostCache | None = None,
+                    refresh: bool = False) -> tuple[CostRecord, bool]:
+    """The cached record for ``key`` or a fresh ``measure()`` (then saved); returns (record, came from cache)."""
+    cache = cache or CostCache()
+    record = None if refresh else cache.load(key)
+    if record is not None:
+        return record, True
+    record = measure()
+    cache.save(record)
+    return record, False
