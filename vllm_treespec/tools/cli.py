@@ -7,6 +7,7 @@
     vllm-treespec graft calibrate [...]              pick Graft's confidence thresholds and budget table
     vllm-treespec train-eagle -o DIR [...]           train an EAGLE-3 head for a target (vLLM eagle3 format)
     vllm-treespec bench [serve] [...]                speed / acceptance / exactness benchmarks
+    vllm-treespec cost-model [--dtype D] [--held-out] measure, print and plot the engine's step-cost curve
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_treespec.training.train import main as train_main
 
         return train_main(rest)
+    if command == "cost-model":
+        from vllm_treespec.tools.cost_model import main as cost_model_main
+
+        return cost_model_main(rest)
     if command == "bench" and rest[:1] == ["serve"]:
         from vllm_treespec.tools.bench_serve import main as serve_main
 

@@ -1,0 +1,102 @@
+"""The start-up sweep's logic without an engine: interleaved rounds, the stop ratio and the time budget, the drafter
+probe, the dummy-step driver on a stand-in runner, and the cost-model CLI's formatting and plot."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_treespec.cost.measure import (StepDriver, default_points, measure_drafter, relative_errors, time_callable,
+                                        time_rounds)
+from vllm_treespec.cost.model import StepCostModel, StepSample
+
+
+def test_rounds_are_interleaved_and_expensive_points_dropped():
+    calls = []
+
+    def run(t, r):
+        calls.append((t, r))
+        return 0.01 * t
+
+    points = [(1, 1), (2, 1), (4, 1), (16, 1), (32, 1)]
+    samples = time_rounds(run, points, repeats=3, budget_s=100, stop_ratio=8.0)
+    assert {(s.num_tokens, s.num_reqs) for s in samples} == {(1, 1), (2, 1), (4, 1)}
+    # after the warm-ups, each round times every kept point once
+    rounds = calls[-9:]
+    assert rounds[:3] == rounds[3:6] == rounds[6:] and sorted(rounds[:3]) == [(1, 1), (2, 1), (4, 1)]
+    # a point past the limit is not warmed up twice
+    assert calls.count((32, 1)) == 1 and calls.count((4, 1)) == 2 + 3
+
+
+def test_budget_and_kept_points():
+    samples = time_rounds(lambda t, r: 0.1 * t, [(1, 1), (2, 1), (4, 1), (8, 1)], repeats=2, budget_s=2.0,
+                          stop_ratio=100, keep=[(8, 1)])
+    # kept points are never dropped and are paid first (1.6 s), then the cheapest that still fit (1 token: 0.2 s)
+    assert {(s.num_tokens, s.num_reqs) for s in samples} == {(8, 1), (1, 1)}
+
+
+def test_drafter_probe_and_callable_timing():
+    assert time_callable(lambda: None, repeats=3) < 0.01
+    samples = measure_drafter(lambda r: (lambda: None) if r <= 2 else None, reqs=(1, 2, 4))
+    assert [(s.num_tokens, s.num_reqs) for s in samples] == [(1, 1), (2, 2)]
+
+
+class FakeRunner:
+    """What StepDriver touches on a model runner."""
+
+    def __init__(self):
+        import torch
+
+        self.uniform_decode_query_len = 17
+        self.max_num_tokens = 40
+        self.scheduler_config = SimpleNamespace(max_num_seqs=4)
+        self.runs = []
+        self.model = SimpleNamespace(compute_logits=lambda h: h @ torch.ones(h.shape[1], 5))
+
+    def _sync_device(self):
+        pass
+
+    def _dummy_run(self, num_tokens, **kwargs):
+        import torch
+
+        self.runs.append((num_tokens, self.uniform_decode_query_len, kwargs))
+        hidden = torch.zeros(num_tokens, 3)
+        return hidden, hidden[-1:]
+
+
+def test_step_driver_sets_the_query_length_and_restores_it():
+    runner = FakeRunner()
+    seconds = StepDriver(runner, context_len=64)(12, 4)
+    assert seconds >= 0 and runner.uniform_decode_query_len == 17
+    (tokens, query_len, kwargs), = runner.runs
+    assert (tokens, query_len) == (12, 3)
+    assert kwargs["uniform_decode"] and kwargs["force_attention"] and kwargs["profile_seq_lens"] == 64
+    with pytest.raises(ValueError):
+        StepDriver(runner)(5, 2)
+
+
+def test_default_points_respect_the_runner_limits():
+    points = default_points(FakeRunner())
+    assert (32, 1) in points and (64, 1) not in points
+    assert (16, 4) in points and all(r <= 4 and t <= 40 for t, r in points)
+    assert (8, 8) not in points
+
+
+def test_relative_errors_and_cli_output(tmp_path):
+    from vllm_treespec.tools.cost_model import format_held_out, format_table, parse_points, plot
+
+    assert parse_points("3, 6,12x1,24x8") == [(3, 1), (6, 1), (12, 1), (24, 8)]
+    samples = [StepSample(t, 1, 0.05 + 0.001 * t) for t in (1, 2, 4, 8, 16)] + [StepSample(8, 4, 0.07)]
+    model = StepCostModel.fit(samples)
+    held = [StepSample(6, 1, 0.0562), StepSample(6, 1, 0.0558)]
+    rows = relative_errors(model, held)
+    assert rows[0][:2] == (6, 1) and rows[0][2] == pytest.approx(0.056) and abs(rows[0][4]) < 1e-9
+    text, worst = format_held_out(model, held)
+    assert "max |error| 0.0%" in text and worst < 1e-9
+    assert "marginal ms/token" in format_table(model, samples).splitlines()[0]
+    pytest.importorskip("matplotlib")
+    path = plot(model, samples, held, tmp_path / "curve.png", "test")
+    assert path.stat().st_size > 1000
+    assert np.isfinite(model.marginal(100))

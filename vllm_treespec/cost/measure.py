@@ -1,0 +1,223 @@
+"""The start-up sweep: time the real model's verify steps inside a worker.
+
+A step of ``T`` tokens from ``R`` requests is driven through vLLM's own ``_dummy_run`` (the runner's warm-up and
+profiling path, with attention metadata for ``R`` requests of ``T / R`` query tokens each over a ``context_len``
+context) followed by the LM head on every row (a verify step computes logits for each draft position) and a greedy
+argmax, all between device synchronisations. No request, scheduler or KV write is involved (the dummy run's slot
+mapping is -1). Points are measured in interleaved rounds (drift and other load hit every point alike) after one
+warm-up each, and the median per point is kept; a point whose warm-up already takes ``stop_ratio`` times the
+single-token step (or more than the time budget allows) ends the grid: the model extrapolates beyond it with the
+last segment's slope, and no draft tree worth verifying lives there.
+
+Entry points: :func:`measure_worker` for ``LLM.collective_rpc`` (returns plain data), :func:`step_cost_model` for
+engine start-up (the cached curve, or a fresh sweep that is then cached). A proposer may expose
+``cost_probe(num_reqs) -> Callable[[], None] | None``, one representative drafting call for ``num_reqs`` requests;
+it is timed the same way into the record's ``drafters`` entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import msgspec
+import numpy as np
+
+from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRecord, StepCostModel, StepSample,
+                                      load_or_measure)
+
+logger = logging.getLogger("vllm.treespec")
+
+TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64)
+#: requests of the multi-request points; each is measured at 1 and 4 tokens per request
+BATCH_REQS = (2, 4, 8)
+BATCH_TOKENS_PER_REQ = (1, 4)
+DEFAULT_CONTEXT_LEN = 256
+DEFAULT_REPEATS = 5
+DEFAULT_BUDGET_S = 20.0
+DEFAULT_STOP_RATIO = 8.0
+DRAFTER_REQS = (1, 2, 4, 8)
+
+
+def device_name() -> str:
+    """The accelerator's name, or on CPU the processor's model name with torch's CPU capability (AVX2, AVX512…):
+    the bf16 GEMM path depends on it."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return current_platform.get_device_name()
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if not name:
+        import platform
+
+        name = platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def cost_key(runner: Any) -> CostKey:
+    import torch
+    import vllm
+
+    model_config = runner.vllm_config.model_config
+    return CostKey(model=str(model_config.model), dtype=str(model_config.dtype).removeprefix("torch."),
+                   device=device_name(), vllm_version=str(vllm.__version__), torch_threads=torch.get_num_threads())
+
+
+def default_points(runner: Any, grid: Sequence[int] = TOKEN_GRID, batch_reqs: Sequence[int] = BATCH_REQS,
+                   tokens_per_req: Sequence[int] = BATCH_TOKENS_PER_REQ) -> list[tuple[int, int]]:
+    """(tokens, requests) of the sweep, within the runner's token and sequence limits."""
+    max_tokens = int(runner.max_num_tokens)
+    max_reqs = int(runner.scheduler_config.max_num_seqs)
+    points = [(t, 1) for t in grid if t <= max_tokens]
+    points += [(r * q, r) for r in batch_reqs for q in tokens_per_req if r <= max_reqs and r * q <= max_tokens]
+    return list(dict.fromkeys(points))
+
+
+class StepDriver:
+    """Runs one dummy verify step of ``T`` tokens from ``R`` requests on the runner and returns its seconds."""
+
+    def __init__(self, runner: Any, context_len: int = DEFAULT_CONTEXT_LEN) -> None:
+        self.runner = runner
+        self.context_len = int(context_len)
+
+    def __call__(self, num_tokens: int, num_reqs: int = 1) -> float:
+        import torch
+
+        runner = self.runner
+        if num_tokens % num_reqs:
+            raise ValueError(f"{num_tokens} tokens do not split evenly over {num_reqs} requests")
+        query_len = num_tokens // num_reqs
+        saved = runner.uniform_decode_query_len
+        runner.uniform_decode_query_len = query_len  # _dummy_run's per-request query length for uniform batches
+        try:
+            with torch.inference_mode():
+                runner._sync_device()
+                started = time.perf_counter()
+                hidden, _ = runner._dummy_run(num_tokens, force_attention=True, uniform_decode=True,
+                                              skip_eplb=True, remove_lora=False,
+                                              profile_seq_lens=max(self.context_len, query_len))
+                logits = runner.model.compute_logits(hidden[:num_tokens])
+                if logits is not None:
+                    logits.argmax(dim=-1)
+                runner._sync_device()
+                return time.perf_counter() - started
+        finally:
+            runner.uniform_decode_query_len = saved
+
+
+def time_rounds(run: Callable[[int, int], float], points: Sequence[tuple[int, int]], repeats: int = DEFAULT_REPEATS,
+                budget_s: float = DEFAULT_BUDGET_S, stop_ratio: float = DEFAULT_STOP_RATIO,
+                keep: Iterable[tuple[int, int]] = ()) -> list[StepSample]:
+    """Warm-up runs per point (cheapest first: the better of two, one if the first is already past the limit),
+    dropping points past ``stop_ratio`` times the cheapest or beyond what ``budget_s`` allows for ``repeats``
+    rounds (``keep``: points never dropped), then ``repeats`` interleaved rounds."""
+    keep = set(keep)
+    warm: dict[tuple[int, int], float] = {}
+    for point in sorted(points):
+        first = run(*point)
+        floor = min([first, *warm.values()])
+        warm[point] = first if first > stop_ratio * floor and point not in keep else min(first, run(*point))
+    floor = min(warm.values())
+    chosen, spent = [], 0.0
+    for point in sorted(warm, key=lambda p: (p not in keep, warm[p])):
+        cost = warm[point] * repeats
+        if point not in keep and (warm[point] > stop_ratio * floor or spent + cost > budget_s):
+            continue
+        chosen.append(point)
+        spent += cost
+    samples = []
+    for _ in range(repeats):
+        for point in chosen:
+            samples.append(StepSample(point[0], point[1], run(*point)))
+    return samples
+
+
+def time_callable(fn: Callable[[], Any], repeats: int = DEFAULT_REPEATS, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def measure_drafter(probe: Callable[[int], Callable[[], Any] | None], reqs: Sequence[int] = DRAFTER_REQS,
+                    repeats: int = DEFAULT_REPEATS) -> list[StepSample]:
+    """The drafter's seconds per call for each batch size its ``cost_probe`` accepts (``num_tokens`` = requests)."""
+    samples = []
+    for r in reqs:
+        fn = probe(r)
+        if fn is not None:
+            samples.append(StepSample(r, r, time_callable(fn, repeats)))
+    return samples
+
+
+def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out: Sequence[tuple[int, int]] = (),
+          repeats: int = DEFAULT_REPEATS, context_len: int = DEFAULT_CONTEXT_LEN, budget_s: float = DEFAULT_BUDGET_S,
+          stop_ratio: float = DEFAULT_STOP_RATIO) -> tuple[CostRecord, list[StepSample]]:
+    """A fresh sweep on ``runner`` (and its drafter's probe, if it has one) as a cache record, plus the samples of
+    the ``held_out`` points (timed in the same rounds, never dropped, not in the record)."""
+    points = default_points(runner) if points is None else [(int(t), int(r)) for t, r in points]
+    extra = [(int(t), int(r)) for t, r in held_out]
+    started = time.perf_counter()
+    timed = time_rounds(StepDriver(runner, context_len), list(dict.fromkeys(points + extra)), repeats, budget_s,
+                        stop_ratio, keep=[(1, 1), *extra])
+    apart = set(extra) - set(points)
+    drafters = {}
+    drafter = getattr(runner, "drafter", None)
+    probe = getattr(drafter, "cost_probe", None)
+    if callable(probe):
+        max_reqs = int(runner.scheduler_config.max_num_seqs)
+        drafted = measure_drafter(probe, [r for r in DRAFTER_REQS if r <= max_reqs], repeats)
+        if drafted:
+            drafters[type(drafter).__name__] = drafted
+    logger.info("vllm_treespec: measured the step-cost curve in %.1f s (%d timed steps)",
+                time.perf_counter() - started, len(timed))
+    record = CostRecord(format_version=FORMAT_VERSION, key=cost_key(runner),
+                        samples=[s for s in timed if (s.num_tokens, s.num_reqs) not in apart], drafters=drafters,
+                        measured_at=time.time())
+    return record, [s for s in timed if (s.num_tokens, s.num_reqs) in apart]
+
+
+def step_cost_model(runner: Any, cache: CostCache | None = None, refresh: bool = False,
+                    **options: Any) -> tuple[StepCostModel, CostRecord]:
+    """The engine's step-cost model: from the cache when it holds this engine's curve, else measured and cached."""
+    record, _ = load_or_measure(cost_key(runner), lambda: sweep(runner, **options)[0], cache, refresh)
+    return record.step_model(), record
+
+
+def measure_worker(worker: Any, points: Sequence[Sequence[int]] | None = None, held_out: Sequence[Sequence[int]] = (),
+                   **options: Any) -> dict[str, Any]:
+    """For ``LLM.collective_rpc``: :func:`sweep` on this worker's runner as plain data: the record's fields plus
+    ``held_out`` (samples) and ``seconds`` (the sweep's wall time)."""
+    started = time.perf_counter()
+    record, extra = sweep(worker.model_runner, points, held_out, **options)
+    return {**msgspec.to_builtins(record), "held_out": msgspec.to_builtins(extra),
+            "seconds": time.perf_counter() - started}
+
+
+def relative_errors(model: StepCostModel, samples: Iterable[StepSample]) -> list[tuple[int, int, float, float, float]]:
+    """(tokens, requests, measured median s, predicted s, relative error) per held-out point."""
+    groups: dict[tuple[int, int], list[float]] = {}
+    for s in samples:
+        groups.setdefault((s.num_tokens, s.num_reqs), []).append(s.seconds)
+    rows = []
+    for (t, r), times in sorted(groups.items()):
+        measured = float(np.median(times))
+        predicted = model.predict(t, r)
+        rows.append((t, r, measured, predicted, (predicted - measured) / measured if measured > 0 else math.nan))
+    return rows
