@@ -1,8 +1,8 @@
 """Acceptance glue: the tree rows' logits in, vLLM's chain form out.
 
-vLLM lays out one logits row per scheduled token and sampled position (``num_draft_tokens + 1`` per batch row); a
-tree row's ``1 + N`` rows are its root and its nodes. Greedy requests accept with :func:`vllm_treespec.tree.greedy_accept`
-(the longest path whose every node is the target's argmax at its parent), the others with lossless recursive rejection
+vLLM lays out one logits row per sampled position (``num_draft_tokens + 1`` per batch row); a tree request's
+``1 + N`` rows are its root and its nodes. Greedy requests accept with :func:`vllm_treespec.tree.greedy_accept` (the
+longest path whose every node is the target's argmax at its parent), the others with lossless recursive rejection
 sampling (:func:`vllm_treespec.sampling.sample_accept`) on vLLM's own temperature / top-k / top-p. The result is
 written into the sampler's output in chain form: path tokens, then the bonus token, padded with -1.
 """

@@ -1,0 +1,429 @@
+"""TreeVerifier without an engine: a fake runner (tests/helpers/fake_runner.py), a proposer returning known trees,
+and expected outputs written out by hand (in the style of vLLM's tests/v1/sample/test_rejection_sampler.py).
+
+The tree used throughout, T, drafted after root token 9 of request "a" (8 committed tokens, 7 of them with K/V, so the
+root runs at position 7 and node i at linear position 8 + i):
+
+    root(9) ─┬─ n0:10 ─┬─ n2:12
+             │         └─ n3:13
+             └─ n1:11 ──── n4:14
+
+Request "a" has block-table row [3, 0, 5, 2] (block size 4): position p sits in slot ``row[p // 4] * 4 + p % 4``.
+Request "b" (5 committed tokens, root at position 4) drafts the chain [20, 21].
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from fake_runner import FakeProposer, FakeRequest, fake_runner, recording_layer, schedule, tree_attention_impl
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+from vllm_treespec.api import DraftTree
+from vllm_treespec.attn import plan
+from vllm_treespec.tree import TreeBatch
+from vllm_treespec.verify.accept import accept, logits_rows
+from vllm_treespec.verify.compact import accepted_moves, slots
+from vllm_treespec.verify.support import tree_unsupported_reason, unsupported_model_reason
+from vllm_treespec.verify.verifier import TreeVerifier
+
+T = DraftTree(np.array([10, 11, 12, 13, 14]), np.array([-1, -1, 0, 0, 1], np.int32))
+CHAIN_B = DraftTree.chain([20, 21])
+VOCAB = 32
+
+
+def request_a(**sampling) -> FakeRequest:
+    return FakeRequest("a", [1, 2, 3, 4, 5, 6, 7, 9], [3, 0, 5, 2], SamplingParams(**{"temperature": 0.0, **sampling}))
+
+
+def request_b() -> FakeRequest:
+    return FakeRequest("b", [1, 2, 3, 4, 5], [1, 4])
+
+
+def make_verifier(requests=None, trees=None, max_nodes=5, proposer=None, **runner_kwargs):
+    runner = fake_runner(requests or [request_a(), request_b()], max_nodes, **runner_kwargs)
+    proposer = proposer or FakeProposer({"a": T, "b": CHAIN_B} if trees is None else trees)
+    verifier = TreeVerifier(runner, proposer)
+    verifier._layers = [recording_layer()]  # instead of the model's Attention layers
+    return verifier
+
+
+@pytest.fixture(autouse=True)
+def no_published_batch():
+    yield
+    plan.publish(None)
+
+
+def one_hot_logits(tokens: list[int]) -> torch.Tensor:
+    """One logits row per token: 0 at the token, -inf elsewhere (every sampler puts all mass on it)."""
+    logits = torch.full((len(tokens), VOCAB), float("-inf"))
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+    return logits
+
+
+# --- propose: trees to the scheduler's drafts ------------------------------------------------------------------------
+
+def test_propose_hands_vllm_flattened_trees_and_keeps_only_real_trees():
+    c = FakeRequest("c", [1, 2, 3], [6])
+    verifier = make_verifier([request_a(), request_b(), c], {"a": T, "b": CHAIN_B, "c": T})
+    drafts = verifier.propose([[9], [5], []])  # c is a partial prefill: no draft
+    assert drafts == [[10, 11, 12, 13, 14], [20, 21], []]
+    assert list(verifier.pending) == ["a"]
+    assert verifier.pending["a"].token_ids.tolist() == [10, 11, 12, 13, 14]
+    ctx = verifier.proposer.contexts[0]
+    assert ctx.req_ids == ["a", "b", "c"] and ctx.max_nodes == 5
+    assert ctx.committed(0).tolist() == [1, 2, 3, 4, 5, 6, 7, 9] and ctx.committed(2).tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("max_nodes, drafts, pending_parents", [
+    (3, [10, 11, 12], [-1, -1, 0]),  # the first 3 nodes are still a tree
+    (2, [10, 11], [-1, -1]),
+    (1, [10], None),  # one node is a chain: nothing to re-attach
+])
+def test_propose_truncates_trees_to_the_budget(max_nodes, drafts, pending_parents):
+    verifier = make_verifier(max_nodes=max_nodes, trees={"a": T})
+    assert verifier.propose([[9], [5]]) == [drafts, []]
+    if pending_parents is None:
+        assert verifier.pending == {}
+    else:
+        assert verifier.pending["a"].parents.tolist() == pending_parents
+
+
+def test_propose_rejects_a_wrong_number_of_trees():
+    verifier = make_verifier()
+    verifier.proposer.propose_trees = lambda ctx: [T]
+    with pytest.raises(RuntimeError, match="returned 1 trees for 2 requests"):
+        verifier.propose([[9], [5]])
+
+
+@pytest.mark.parametrize("sampling, reason", [
+    ({"logprobs": 1}, "logprobs"),
+    ({"presence_penalty": 0.5}, "penalties"),
+    ({"frequency_penalty": 0.5}, "penalties"),
+    ({"repetition_penalty": 1.2}, "penalties"),
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"min_tokens": 2}, "min_tokens"),
+    ({"temperature": 1.0, "min_p": 0.1}, "min_p"),
+    ({"logit_bias": {3: 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": [10, 11]}, "allowed_token_ids"),
+    ({"temperature": 1.0, "seed": 3}, "per-request seed"),
+    ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured output"),
+])
+def test_request_whose_sampling_reads_draft_order_runs_the_first_child_chain(sampling, reason):
+    assert tree_unsupported_reason(SamplingParams(**sampling)) == reason
+    verifier = make_verifier([request_a(**sampling), request_b()])
+    assert verifier.propose([[9], [5]]) == [[10, 12], [20, 21]]  # n0 then its first child n2
+    assert verifier.pending == {}
+
+
+def test_plain_sampling_and_non_generation_requests():
+    assert tree_unsupported_reason(SamplingParams(temperature=0.0)) is None
+    assert tree_unsupported_reason(SamplingParams(temperature=0.8, top_p=0.9, top_k=5)) is None
+    assert tree_unsupported_reason(None) == "not a generation request"
+
+
+# --- model support ----------------------------------------------------------------------------------------------------
+
+def impl_with(**attributes):
+    impl = tree_attention_impl()
+    for name, value in attributes.items():
+        setattr(impl, name, value)
+    return impl
+
+
+class PlainImpl:
+    pass
+
+
+@pytest.mark.parametrize("runner_kwargs, impl, reason", [
+    ({}, impl_with(), None),
+    ({}, impl_with(sliding_window=(-1, -1)), None),  # FlashAttention's "no window"
+    ({"uses_mrope": True, "pipeline_parallel_size": 2}, impl_with(), "M-RoPE positions"),  # the first check wins
+    ({"pipeline_parallel_size": 2}, impl_with(), "pipeline parallelism"),
+    ({"data_parallel_size": 2}, impl_with(),
+     "data parallelism (ranks re-dispatch CUDA graphs with a mode agreed across ranks)"),
+    ({}, None, "no attention layers found"),
+    ({"kv_cache_specs": [SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                                           sliding_window=16)]},
+     impl_with(), "SlidingWindowSpec layers (sliding window / hybrid models)"),
+    ({}, impl_with(sliding_window=16), "sliding-window attention"),
+    ({}, impl_with(dcp_world_size=2), "decode context parallelism"),
+    ({}, impl_with(alibi_slopes=torch.ones(2)), "ALiBi / attention sinks"),
+    ({}, impl_with(sinks=torch.ones(2)), "ALiBi / attention sinks"),
+    ({}, impl_with(logits_soft_cap=30.0), "logit soft-capping"),
+    ({}, impl_with(kv_cache_dtype="fp8"), "kv_cache_dtype=fp8"),
+    ({}, PlainImpl(), "attention backend PlainImpl has no tree path; on CUDA trees need FLASH_ATTN "
+                      "(--attention-backend FLASH_ATTN)"),
+])
+def test_unsupported_model_reasons(runner_kwargs, impl, reason):
+    runner = fake_runner([request_a()], **runner_kwargs)
+    layers = [] if impl is None else [recording_layer(impl)]
+    assert unsupported_model_reason(runner, layers) == reason
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_unsupported_model_runs_chains_with_one_log_line():
+    verifier = make_verifier(uses_mrope=True)
+    logger, handler = logging.getLogger("vllm.treespec"), Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        assert verifier.propose([[9], [5]]) == [[10, 12], [20, 21]]
+        verifier.attach(*schedule(verifier.runner, {"a": [10, 12], "b": [20, 21]}))
+        assert verifier.batch is None
+        assert verifier.propose([[9], [5]]) == [[10, 12], [20, 21]]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert verifier.enabled is False and verifier.pending == {}
+    assert handler.lines == ["vllm_treespec: tree verification is off for this model (M-RoPE positions); "
+                             "proposals run as chains."]
+
+
+# --- attach: scheduled drafts back to trees ---------------------------------------------------------------------------
+
+def proposed(verifier):
+    verifier.propose([[9], [5]])
+    return verifier
+
+
+def test_attach_rewrites_node_positions_to_context_plus_depth():
+    verifier = proposed(make_verifier())
+    scheduler_output, num_scheduled = schedule(verifier.runner, {"a": [10, 11, 12, 13, 14], "b": [20, 21]})
+    assert verifier.runner.positions[:9].tolist() == [7, 8, 9, 10, 11, 12, 4, 5, 6]  # linear, as vLLM prepared them
+    verifier.attach(scheduler_output, num_scheduled)
+    batch = verifier.batch
+    assert batch is not None and plan.current_batch() is batch
+    assert batch.rows.tolist() == [0] and batch.req_ids == ["a"]
+    assert batch.query_start.tolist() == [0] and batch.context_len.tolist() == [7]
+    assert batch.depth.tolist() == [1, 1, 2, 2, 2]
+    # root 7; n0, n1 at depth 1 -> 8; n2, n3, n4 at depth 2 -> 9; the chain row b keeps its linear positions
+    assert verifier.runner.positions[:9].tolist() == [7, 8, 8, 9, 9, 9, 4, 5, 6]
+    assert verifier.pending == {}
+
+
+def test_attach_re_attaches_a_truncated_prefix_that_is_still_a_tree():
+    verifier = proposed(make_verifier())
+    verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12], "b": [20, 21]}))
+    assert verifier.batch.trees[0].parents.tolist() == [-1, -1, 0]
+    assert verifier.runner.positions[:7].tolist() == [7, 8, 8, 9, 4, 5, 6]
+
+
+@pytest.mark.parametrize("scheduled_a, runs", [
+    ([10], None),  # truncated to one node: a chain
+    ([-1, -1, -1, -1, -1], None),  # placeholder drafts
+    ([10, 11, 13], None),  # not a prefix of the tree's nodes
+    ([], None),  # not scheduled with drafts
+    ([10, 11, 12, 13, 14], 4),  # the row runs fewer tokens than root + drafts
+])
+def test_attach_falls_back_to_chains(scheduled_a, runs):
+    verifier = proposed(make_verifier())
+    scheduler_output, num_scheduled = schedule(verifier.runner, {"a": scheduled_a, "b": [20, 21]})
+    if runs is not None:
+        num_scheduled[0] = runs
+    before = verifier.runner.positions.clone()
+    verifier.attach(scheduler_output, num_scheduled)
+    assert verifier.batch is None and plan.current_batch() is None
+    assert torch.equal(verifier.runner.positions, before)
+    assert verifier.pending == {}  # a tree is re-attached in the step it was proposed for, or never
+
+
+# --- sample: acceptance in chain form, compaction ---------------------------------------------------------------------
+
+def sampler_output():
+    """What vLLM's (chain) rejection sampler returned for rows a and b; row a is replaced by the verifier."""
+    return SimpleNamespace(sampled_token_ids=torch.tensor([[10, 99, -1, -1, -1, -1], [20, 21, 5, -1, -1, -1]]))
+
+
+def run_step(verifier, a_targets: list[int]):
+    """Propose, schedule, attach, sample with one-hot targets: ``a_targets`` at a's root and nodes, [20, 21, 5]
+    for b. Returns (the output's sampled tokens, the logits vLLM's sampler saw)."""
+    verifier.propose([[9], [5]])
+    verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14], "b": [20, 21]}))
+    logits = one_hot_logits(a_targets + [20, 21, 5])
+    seen = []
+
+    def original(lg, metadata):
+        seen.append(lg.clone())
+        return sampler_output()
+
+    output = verifier.sample(original, logits.clone(), SimpleNamespace(num_draft_tokens=[5, 2]))
+    assert len(seen) == 1 and torch.equal(seen[0], logits)
+    return output.sampled_token_ids.tolist()
+
+
+CASES = {
+    # a's targets at rows root, n0..n4 -> (row a in chain form, accepted nodes, KV slot moves, query-row moves)
+    "n1 then n4": ([11, 12, 14, 0, 0, 7], [11, 14, 7, -1, -1, -1], [1, 4],
+                   # positions 9 -> 8 and 12 -> 9: slots 5*4+1 -> 5*4+0 and 2*4+0 -> 5*4+1
+                   ([21, 8], [20, 21]), ([2, 5], [1, 2])),
+    "n0 then n3": ([10, 13, 0, 0, 4, 0], [10, 13, 4, -1, -1, -1], [0, 3],
+                   ([23], [21]), ([4], [2])),  # n0 is in place; n3: position 11 -> 9
+    "nothing": ([30, 0, 0, 0, 0, 0], [30, -1, -1, -1, -1, -1], [], None, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_sample_commits_the_longest_path_as_a_chain(case):
+    targets, row_a, nodes, kv_moves, row_moves = CASES[case]
+    verifier = make_verifier()
+    sampled = run_step(verifier, targets)
+    assert sampled == [row_a, [20, 21, 5, -1, -1, -1]]  # row b: vLLM's own chain result, untouched
+    impl = verifier._layers[0].impl
+    assert impl.moves == ([] if kv_moves is None else [kv_moves])
+    if row_moves is None:
+        assert verifier.last_moves is None
+    else:
+        assert tuple(m.tolist() for m in verifier.last_moves) == row_moves
+    [result] = verifier.proposer.verified
+    assert (result.req_id, result.accepted_nodes, result.bonus_token) == ("a", nodes, row_a[len(nodes)])
+    assert result.target_logits is None
+    assert verifier.stats == {"tree_steps": 1, "tree_rows": 1, "accepted": len(nodes)}
+    assert verifier.batch is None and plan.current_batch() is None
+
+
+def test_chainize_moves_hidden_rows_of_the_accepted_path():
+    verifier = make_verifier()
+    run_step(verifier, CASES["n1 then n4"][0])
+    hidden = torch.arange(9, dtype=torch.float32)[:, None].repeat(1, 2)
+    aux = torch.arange(9) * 10
+    verifier.chainize_rows([hidden, None, aux])
+    # rows 1, 2 (chain positions of the path) get rows 2, 5 (n1, n4): gathered before writing
+    assert hidden[:, 0].tolist() == [0, 2, 5, 3, 4, 5, 6, 7, 8]
+    assert aux.tolist() == [0, 20, 50, 30, 40, 50, 60, 70, 80]
+    assert verifier.last_moves is None
+
+
+def test_proposer_gets_target_logits_when_it_asks():
+    verifier = make_verifier(proposer=FakeProposer({"a": T, "b": CHAIN_B}, wants_target_logits=True))
+    targets = CASES["n1 then n4"][0]
+    run_step(verifier, targets)
+    [result] = verifier.proposer.verified
+    assert torch.equal(result.target_logits, one_hot_logits(targets))  # rows root, n0..n4 of a only
+
+
+def test_sample_without_tree_rows_is_vllms_own():
+    verifier = make_verifier(trees={"b": CHAIN_B})
+    verifier.propose([[9], [5]])
+    verifier.attach(*schedule(verifier.runner, {"b": [20, 21]}))
+    output = sampler_output()
+    assert verifier.sample(lambda lg, md: output, one_hot_logits([0] * 4), SimpleNamespace(num_draft_tokens=[0, 2])
+                           ) is output
+    assert output.sampled_token_ids[0].tolist() == [10, 99, -1, -1, -1, -1]
+    assert verifier.stats["tree_steps"] == 0
+
+
+@pytest.fixture
+def cpu_expand_fix():
+    """vLLM 0.32's CPU expand kernel leaves float outputs uninitialised; the engine runs with our fix applied."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    from vllm_treespec.patches import ORIGINALS, is_patched
+    from vllm_treespec.patches import rejection_sampler
+
+    applied_here = not is_patched(rs, "expand_batch_to_tokens")
+    rejection_sampler.apply()
+    yield
+    if applied_here and is_patched(rs, "expand_batch_to_tokens"):
+        rs.expand_batch_to_tokens = ORIGINALS.pop((rs, "expand_batch_to_tokens"))
+
+
+def random_metadata(temperatures: list[float]):
+    return SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.tensor(temperatures),
+                           top_k=None, top_p=None)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_random_sample_with_one_hot_targets_commits_the_same_path(case, cpu_expand_fix):
+    """Lossless sampling puts all mass where the target does: one-hot targets give the greedy outcome."""
+    targets, row_a, nodes, kv_moves, _ = CASES[case]
+    verifier = make_verifier([request_a(temperature=1.0), request_b()])
+    verifier.runner.input_batch.sampling_metadata = random_metadata([1.0, 1.0])
+    assert run_step(verifier, targets) == [row_a, [20, 21, 5, -1, -1, -1]]
+    assert verifier._layers[0].impl.moves == ([] if kv_moves is None else [kv_moves])
+    [result] = verifier.proposer.verified
+    assert (result.accepted_nodes, result.bonus_token) == (nodes, row_a[len(nodes)])
+
+
+def test_lossless_sampling_applies_the_request_temperature(cpu_expand_fix):
+    """Root children 10 and 11 with logits 0 and ln(3)/2: at temperature 0.5 the target is p(10) = 1/4,
+    p(11) = 3/4 (at 1.0 it would be 0.37 / 0.63), and the first committed token follows it."""
+    from scipy.stats import chisquare
+
+    tree = DraftTree(np.array([10, 11]), np.array([-1, -1], np.int32))
+    batch = TreeBatch.build([1], ["b"], [tree], [3], [4])  # batch row 1 (row 0 is a chain request)
+    index, row_offsets, widths = logits_rows(batch, [2, 2])
+    assert index.tolist() == [3, 4, 5] and row_offsets.tolist() == [0] and widths.tolist() == [3]
+    tree_logits = one_hot_logits([10, 0, 0])
+    tree_logits[0, 11] = float(np.log(3) / 2)
+    metadata = random_metadata([1.0, 0.5])
+    torch.manual_seed(0)
+    counts = {10: 0, 11: 0}
+    draws = 600  # 0.75 vs 0.63 is 6 standard deviations apart
+    for _ in range(draws):
+        out_tokens, out_nodes, out_len = accept(batch, row_offsets, widths, np.zeros(3, np.int64), 2,
+                                                np.array([False]), tree_logits, metadata, 2)
+        counts[int(out_tokens[0, 0])] += 1
+        assert out_len[0] == 1 and out_tokens[0, 1] == 0  # a child is always accepted; its row's target is token 0
+    assert chisquare([counts[10], counts[11]], [draws / 4, 3 * draws / 4]).pvalue > 0.01
+
+
+# --- compaction moves, two requests -----------------------------------------------------------------------------------
+
+def test_accepted_moves_and_slots_of_two_tree_requests():
+    trees = [T, DraftTree(np.array([40, 41, 42]), np.array([-1, -1, 1], np.int32))]
+    batch = TreeBatch.build([0, 2], ["a", "c"], trees, [0, 9], [7, 2])
+    out_nodes = np.array([[1, 4, -1, -1, -1], [1, 2, -1, -1, -1]])
+    moves = accepted_moves(batch, out_nodes, np.array([2, 2]))
+    assert moves.rows.tolist() == [0, 0, 2, 2]
+    # a: positions 8 + [1, 4] -> 8 + [0, 1]; c: 3 + [1, 2] -> 3 + [0, 1]
+    assert moves.src_positions.tolist() == [9, 12, 4, 5] and moves.dst_positions.tolist() == [8, 9, 3, 4]
+    assert moves.src_query_rows.tolist() == [2, 5, 11, 12] and moves.dst_query_rows.tolist() == [1, 2, 10, 11]
+    table = np.array([[3, 0, 5, 2], [0, 0, 0, 0], [6, 1, 0, 0]])
+    assert slots(table, 4, moves.rows, moves.src_positions).tolist() == [21, 8, 4, 5]
+    assert slots(table, 4, moves.rows, moves.dst_positions).tolist() == [20, 21, 27, 4]
+    assert accepted_moves(batch, np.array([[0, 2, -1, -1, -1], [0, -1, -1, -1, -1]]), np.array([1, 1])) is None
+
+
+# --- hidden states for the proposer, finished requests ----------------------------------------------------------------
+
+class HiddenStateProposer(FakeProposer):
+    needs_hidden_states = True
+    aux_hidden_state_layers = (5, 2)
+
+
+def test_proposer_gets_the_committed_hidden_rows_and_aux_layers_in_its_order():
+    verifier = make_verifier(proposer=HiddenStateProposer({"a": T}))
+    hidden = torch.zeros(9, 4)
+    aux_ascending = [torch.full((9, 4), 2.0), torch.full((9, 4), 5.0)]  # layers 2 and 5, in forward order
+    # a accepted 2 of its 5 drafts (+ bonus), b 1 of its 2
+    verifier.propose([[11, 14, 7], [20, 6]], hidden, aux_ascending, np.array([0, 6, 9]),
+                     {"a": [10, 11, 12, 13, 14], "b": [20, 21]})
+    ctx = verifier.proposer.contexts[0]
+    assert ctx.hidden_states is hidden
+    assert [t[0, 0].item() for t in ctx.aux_hidden_states] == [5.0, 2.0]
+    assert ctx.hidden_row_start.tolist() == [0, 6]
+    assert ctx.hidden_row_index.tolist() == [2, 7]  # 5 - (5 - 2), 8 - (2 - 1)
+    assert ctx.hidden_position_start.tolist() == [7, 4]
+
+
+def test_finished_drops_pending_trees_and_tells_the_proposer():
+    verifier = proposed(make_verifier())
+    verifier.finished(set())
+    assert verifier.proposer.finished == []
+    verifier.finished({"a"})
+    assert verifier.pending == {} and verifier.proposer.finished == [{"a"}]
