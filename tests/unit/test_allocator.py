@@ -213,3 +213,38 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
     best, plain = cheap.expected_best(2, max_nodes=1, drafter_seconds=0.001)
     assert best == pytest.approx(max((2 + 0.8) / (0.072 + 0.001), (2 + 1.6) / (0.078 + 0.001)))
     assert plain == pytest.approx(2 / 0.066)
+
+
+def test_step_budget_trims_scored_trees_and_learns_step_times(monkeypatch):
+    from vllm_treespec.cost.budget import StepBudget
+    from vllm_treespec.cost.model import FORMAT_VERSION, CostKey, CostRecord, StepSample
+
+    samples = [StepSample(t, 1, 0.06 + 0.006 * (t - 1)) for t in (1, 2, 4, 8, 16, 32)]
+    record = CostRecord(format_version=FORMAT_VERSION, key=CostKey("m", "float32", "cpu", "0", 1), samples=samples,
+                        drafters={"Drafter": [StepSample(1, 1, 0.001), StepSample(2, 2, 0.002)]})
+    budget = StepBudget.from_record(record, max_nodes=4, drafter="Drafter")
+    assert budget.gate.drafter_cost.predict(2) == pytest.approx(0.002)
+    unscored = DraftTree.chain([1, 2, 3])
+    assert budget.admit([unscored, None]) == [unscored, None] and budget.stats["allocations"] == 0
+    probs = [0.5, 0.2, 0.12, 0.08, 0.05, 0.03]
+    trees = budget.admit([star(probs)])
+    rates = [(1 + sum(probs[:w])) / (0.06 + 0.006 * w) for w in range(5)]  # capped at max_nodes = 4
+    assert trees[0].num_nodes == int(np.argmax(rates))
+    assert budget.stats["proposed_nodes"] == 4 and budget.stats["admitted_nodes"] == trees[0].num_nodes
+    assert budget.should_draft(1)
+    # step times observed: the model follows a machine twice as slow
+    clock = iter(np.arange(0, 1000, 0.5).tolist())
+    monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", lambda: next(clock))
+    before = budget.cost.predict(1)
+    for _ in range(40):
+        budget.step_started(1, 1)
+        budget.step_finished()  # 0.5 s per step
+    assert budget.cost.predict(1) == pytest.approx(0.5, rel=0.05) and before == pytest.approx(0.06)
+    budget.step_finished()  # without a start: ignored
+    assert budget.stats["observed_steps"] == 40
+
+
+def test_step_budget_for_a_runner_that_cannot_be_measured_is_none():
+    from vllm_treespec.cost.budget import StepBudget
+
+    assert StepBudget.for_runner(object(), max_nodes=4) is None

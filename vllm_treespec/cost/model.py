@@ -37,7 +37,7 @@ logger = logging.getLogger("vllm.treespec")
 FORMAT_VERSION = 1
 CACHE_SUBDIR = "cost_models"
 DEFAULT_ALPHA = 0.1
-#: one observation moves a bucket's correction by at most this factor (a GC pause or a page fault is not a trend)
+#: one observation counts as at most this factor off the bucket's current correction (a GC pause is not a trend)
 MAX_OBSERVED_RATIO = 4.0
 
 
@@ -91,8 +91,9 @@ class PiecewiseLinear:
 class OnlineCorrection:
     """Multiplicative correction from observed / predicted ratios.
 
-    Each observation updates the bucket ``round(log2(x))`` with an exponentially weighted mean of the clipped log
-    ratio (bias-corrected, with a prior worth one observation of ratio 1, so one step cannot swing a bucket fully);
+    Each observation updates the bucket ``round(log2(x))`` with an exponentially weighted mean of the log ratio,
+    clipped to within ``max_ratio`` of the bucket's current value (bias-corrected, with a prior worth one
+    observation of ratio 1, so one step cannot swing a bucket fully, while a lasting change of any size is followed);
     :meth:`factor` interpolates the buckets seen so far in log2(x) and is flat beyond them (1 before any observation).
     """
 
@@ -110,7 +111,8 @@ class OnlineCorrection:
             return
         bucket = int(round(math.log2(x)))
         a = self.alpha
-        e = min(max(math.log(ratio), -self.max_log), self.max_log)
+        current = self._mean[bucket] / self._weight[bucket] if bucket in self._mean else 0.0
+        e = min(max(math.log(ratio), current - self.max_log), current + self.max_log)
         self._mean[bucket] = (1 - a) * self._mean.get(bucket, 0.0) + a * e
         self._weight[bucket] = (1 - a) * self._weight.get(bucket, a) + a
         self._table = None
