@@ -6,10 +6,11 @@ from .ngram import NgramIndex
 from .sam import StaticSuffixAutomaton, SuffixAutomaton
 from .store import GlobalSuffixStore, NgramRetriever, Retriever, SuccessorRetriever, SuffixRetriever
 from .successor import SuccessorTable
-from .tree import SEP, RetrievedTree, extract_tree, merge_trees
+from .tree import SEP, RetrievedTree, TreeUnion, extract_tree, merge_trees, union_trees
 
 __all__ = [
     "SEP", "Datastore", "DatastoreError", "GlobalSuffixStore", "NgramIndex", "NgramRetriever", "RetrievedTree",
     "Retriever", "StaticSuffixAutomaton", "SuccessorRetriever", "SuccessorTable", "SuffixAutomaton",
-    "SuffixRetriever", "build_datastore", "check_datastore", "extract_tree", "load_datastore", "merge_trees",
+    "SuffixRetriever", "TreeUnion", "build_datastore", "check_datastore", "extract_tree", "load_datastore",
+    "merge_trees", "union_trees",
 ]

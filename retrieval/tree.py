@@ -226,26 +226,33 @@ def extract_tree(states, edges, root, budget, max_depth, min_prob, min_score):
 
 # --- merging trees of several sources ---------------------------------------------------------------------------
 @njit(cache=True)
-def _merge_kernel(tok, par, prob, offsets, budget):
-    """Union trie of the trees ``[offsets[s], offsets[s+1])``; a node's score is the highest path probability any
-    source gives its path. Returns the best-first top ``budget`` nodes with probs = score / parent score."""
+def _union_kernel(tok, par, prob, offsets, attach):
+    """Union trie of the trees ``[offsets[s], offsets[s+1])``, added in order; tree ``s`` continues the trie node of
+    input node ``attach[s]`` (-1 = the root). A node's score is the highest any tree gives its path: the tree's path
+    probability times the score its attachment node has when the tree is added. Returns the trie (node 0 = the root;
+    tokens, parents, scores, the input node whose path gave each score (the first on ties), children lists) and the
+    trie node of every input node."""
     total = tok.shape[0]
     # trie node 0 is the root; node i > 0 has token m_tok[i], parent m_par[i] (trie index) and children lists
     m_tok = np.empty(total + 1, np.int64)
     m_par = np.empty(total + 1, np.int64)
     m_score = np.zeros(total + 1, np.float64)
+    m_from = np.full(total + 1, -1, np.int64)
     m_first = np.full(total + 1, -1, np.int64)
     m_next = np.full(total + 1, -1, np.int64)
     m_score[0] = 1.0
     n_nodes = 1
-    src_map = np.empty(total, np.int64)  # source node -> trie node
-    src_score = np.empty(total, np.float64)
+    node_of = np.empty(total, np.int64)  # input node -> trie node
+    own = np.empty(total, np.float64)  # input node -> its path probability within its own tree
     for s in range(offsets.shape[0] - 1):
         base = offsets[s]
+        root = 0 if attach[s] < 0 else node_of[attach[s]]
+        root_score = m_score[root]
         for j in range(base, offsets[s + 1]):
             p = par[j]
-            parent = 0 if p < 0 else src_map[base + p]
-            score = prob[j] * (1.0 if p < 0 else src_score[base + p])
+            parent = root if p < 0 else node_of[base + p]
+            own[j] = prob[j] * (1.0 if p < 0 else own[base + p])
+            score = own[j] * root_score
             child = m_first[parent]
             while child >= 0 and m_tok[child] != tok[j]:
                 child = m_next[child]
@@ -256,10 +263,21 @@ def _merge_kernel(tok, par, prob, offsets, budget):
                 m_par[child] = parent
                 m_next[child] = m_first[parent]
                 m_first[parent] = child
+                m_from[child] = j
             if score > m_score[child]:
                 m_score[child] = score
-            src_map[j] = child
-            src_score[j] = score
+                m_from[child] = j
+            node_of[j] = child
+    return m_tok[:n_nodes], m_par[:n_nodes], m_score[:n_nodes], m_from[:n_nodes], m_first, m_next, node_of
+
+
+@njit(cache=True)
+def _merge_kernel(tok, par, prob, offsets, budget):
+    """Union trie of the trees ``[offsets[s], offsets[s+1])``, all continuing the root (:func:`_union_kernel`).
+    Returns the best-first top ``budget`` nodes with probs = score / parent score."""
+    m_tok, m_par, m_score, _, m_first, m_next, _ = _union_kernel(tok, par, prob, offsets,
+                                                                 np.full(offsets.shape[0] - 1, -1, np.int64))
+    n_nodes = m_tok.shape[0]
     # best-first over the trie; the max of monotone path scores is monotone, so parents always come first
     out_tok = np.empty(budget, np.int64)
     out_par = np.empty(budget, np.int32)
@@ -306,3 +324,36 @@ def merge_trees(trees: Sequence[RetrievedTree], budget: int) -> RetrievedTree:
                                    np.concatenate([t.parents for t in trees]),
                                    np.concatenate([t.probs for t in trees]), offsets, int(budget))
     return RetrievedTree(tok, par, prob, match_len)
+
+
+class TreeUnion(NamedTuple):
+    """The union of several trees (:func:`union_trees`): node ``i`` has token ``token_ids[i]``, parent ``parents[i]``
+    (-1 = the root; nodes are numbered in order of first appearance, so parents come first) and ``scores[i]``, the
+    highest path probability any input gives it. ``origin[i]`` is the input node whose path gave that score (an index
+    into the inputs' nodes, concatenated); ``node_of[j]`` is the union node of input node ``j``."""
+
+    token_ids: np.ndarray
+    parents: np.ndarray
+    scores: np.ndarray
+    origin: np.ndarray
+    node_of: np.ndarray
+
+
+def union_trees(trees: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], attach: Sequence[int]) -> TreeUnion:
+    """Merge trees given as ``(token_ids, parents, probs)`` (topological order, ``probs`` = P(token | parent's path))
+    into one, identical paths shared, without choosing nodes (:func:`merge_trees` chooses the best-first top).
+
+    Tree ``s`` continues input node ``attach[s]`` of an earlier tree (an index into the inputs' nodes, concatenated;
+    -1 = the root): its path probabilities are scaled by that node's score when it is added.
+    """
+    offsets = np.zeros(len(trees) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(t[0]) for t in trees])
+    attach = np.asarray(attach, np.int64).reshape(-1)
+    if attach.shape[0] != len(trees) or np.any(attach >= offsets[:-1]):
+        raise ValueError(f"union_trees: each tree attaches under a node of an earlier tree or at -1 (the root), got "
+                         f"{attach.tolist()}")
+    # one kernel signature whatever the callers' dtypes
+    tok, par, prob = (np.concatenate([np.asarray(t[k], dtype) for t in trees]) if trees else np.zeros(0, dtype)
+                      for k, dtype in enumerate((np.int64, np.int64, np.float64)))
+    m_tok, m_par, m_score, m_from, _, _, node_of = _union_kernel(tok, par, prob, offsets, attach)
+    return TreeUnion(m_tok[1:], m_par[1:] - 1, m_score[1:], m_from[1:], node_of - 1)

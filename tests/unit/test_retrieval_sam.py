@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrieval_reference import check_best_first, followers, longest_match, occurrences, stdlib_tokens  # noqa: F401
-from vllm_treespec.retrieval import NgramIndex, SuccessorTable, SuffixAutomaton, merge_trees
+from vllm_treespec.retrieval import NgramIndex, SuccessorTable, SuffixAutomaton, merge_trees, union_trees
 from vllm_treespec.retrieval.tree import RetrievedTree
 
 streams = st.lists(st.integers(0, 3), min_size=1, max_size=120)
@@ -231,3 +232,17 @@ def test_merge_is_best_first_over_union_with_max_scores(a, b, budget):
 
     check_best_first(merged, dist, budget, 6)
     assert merged.match_len == max(t.match_len for t in trees if t.num_nodes) if merged.num_nodes else True
+
+
+def test_union_shares_paths_scales_attached_trees_and_names_each_score_s_origin():
+    """union_trees (graft's merge): identical paths share a node that keeps the best score and the input node that
+    gave it; a tree attached under an earlier tree's node is scaled by that node's score when it is added."""
+    draft = (np.array([1, 2, 3]), np.array([-1, -1, 0]), np.array([0.5, 0.4, 0.5]))  # 1, 2 and 1 -> 3
+    root = (np.array([1, 3]), np.array([-1, 0]), np.array([0.9, 0.5]))  # 1 -> 3 again, more confident
+    under = (np.array([7]), np.array([-1]), np.array([0.5]))  # under input node 2 (the draft's 1 -> 3)
+    u = union_trees([draft, root, under], [-1, -1, 2])
+    assert u.token_ids.tolist() == [1, 2, 3, 7] and u.parents.tolist() == [-1, -1, 0, 2]
+    assert np.allclose(u.scores, [0.9, 0.4, 0.45, 0.5 * 0.45])
+    assert u.origin.tolist() == [3, 1, 4, 5] and u.node_of.tolist() == [0, 1, 2, 0, 2, 3]
+    with pytest.raises(ValueError, match="earlier tree"):
+        union_trees([draft, under], [-1, 3])
