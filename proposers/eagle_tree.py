@@ -34,23 +34,13 @@ import msgspec
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
+from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, device_kind
+from vllm_treespec.pruning import below_checkpoint
 
 logger = logging.getLogger("vllm.treespec")
 
 #: where ``vllm-treespec train-eagle`` writes the head for the embedded SmolLM2 model by default
 DEFAULT_HEAD_NAME = "eagle3-smollm2-135m"
-#: path confidence below which a draft node is not verified, by device. On 2 CPU cores a verified token costs ~2.4 ms
-#: of a ~50 ms step, worth it only for nodes accepted about 1 time in 20 (graft: scripts/bench_graft.py
-#: --confidence-floors, on the head 24.9 -> 27.0 tok/s at 0.05, 26.2 at 0.15; retrieval-only 25.8 / 26.0 / 25.8;
-#: eagle_tree 16 0.80x -> 1.05x no speculation at 0.05). GPUs verify hundreds of tokens at the cost of one.
-#: Shared by eagle_tree, kv_aware and graft.
-DEFAULT_MIN_NODE_CONFIDENCE = {"cpu": 0.05, "other": 0.0}
-
-
-def device_kind(vllm_config: Any) -> str:
-    """Key of the per-device defaults: "cpu" or "other" (GPUs and other accelerators)."""
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-    return "cpu" if device == "cpu" else "other"
 
 
 def default_head_path() -> Path:
@@ -483,13 +473,6 @@ class EagleDrafter:
             raise AssertionError("EAGLE rerank dropped a parent of a kept node")
         tokens = self.d2t[np.asarray(g.tokens, np.int64)[chosen]]
         return DraftTree(tokens, out_parents, np.exp(np.asarray(g.logps)[chosen]).astype(np.float32))
-
-
-def below_checkpoint(checkpoints: dict[int, float] | None, depth: int, best_log_score: float) -> bool:
-    """Whether the best path at ``depth`` (cumulative log-prob) falls below that depth's checkpoint threshold (graft's
-    pruning rule; the drafter stops where graft would prune)."""
-    threshold = (checkpoints or {}).get(depth)
-    return threshold is not None and math.exp(best_log_score) < threshold
 
 
 def _kth_best(scores: list[float], k: int) -> float:

@@ -13,9 +13,14 @@ import pytest
 
 from vllm_treespec.api import DraftTree, ProposeContext, VerificationResult, load_proposer_class
 from vllm_treespec.config import TreeSpecConfigError, parse_options
-from vllm_treespec.proposers.graft import (BudgetCurve, DraftGrowth, DraftLevel, GraftOptions, GraftProposer,
-                                           ModelDrafter, AcceptanceCalibration, assemble, assemble_tree,
-                                           load_calibration)
+from vllm_treespec.proposers.graft import GraftOptions, GraftProposer
+from vllm_treespec.proposers.graft.acceptance import AcceptanceCalibration
+from vllm_treespec.proposers.graft.assemble import assemble, assemble_tree
+from vllm_treespec.proposers.graft.budget import BudgetCurve
+from vllm_treespec.proposers.graft.calibration import load_calibration
+from vllm_treespec.proposers.graft.drafter import ModelDrafter
+from vllm_treespec.proposers.graft.growth import DraftGrowth, DraftLevel
+from vllm_treespec.pruning import below_checkpoint
 from vllm_treespec.tools.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
                                                      calibrate_from, replay)
 from vllm_treespec.retrieval import RetrievedTree
@@ -221,33 +226,34 @@ def test_pruning_stops_the_draft_and_frees_budget_for_grafting():
 
 
 class ScriptedDrafter(ModelDrafter):
-    """Drafts a binary tree whose level confidences follow a script per row; records its calls."""
+    """Drafts a binary tree whose level confidences follow a script per row, each row stopping at the first checkpoint
+    of ``stop_below`` (graft's, set by the proposer) its best path falls below; records the rows drafted per level."""
 
     def __init__(self, level_probs: dict[int, list[float]]) -> None:
         self.level_probs = level_probs
         self.calls: list[list[int]] = []
 
-    def start(self, ctx, rows):
-        self.sizes = {i: 0 for i in rows}
-        self.depth = {i: 0 for i in rows}
-
-    def expand(self, rows, max_new):
-        self.calls.append(list(rows))
-        levels = []
-        for i, m in zip(rows, max_new):
-            d = self.depth[i]
-            probs = self.level_probs[i]
-            if d >= len(probs):
-                levels.append(None)
-                continue
-            width = 1 if d == 0 else 2
-            parents = np.full(width, self.sizes[i] - 1 if d else -1)
-            tokens = np.arange(width) + 50 + 2 * d
-            lp = np.log(np.array([probs[d], probs[d] / 2][:width]))
-            self.sizes[i] += min(width, m)
-            self.depth[i] += 1
-            levels.append(DraftLevel(tokens, parents, lp))
-        return levels
+    def draft(self, ctx, rows):
+        nodes = {i: ([], [], [], []) for i in rows}  # tokens, parents, probs, path log-probs
+        active, d = list(rows), 0
+        while active:
+            self.calls.append(list(active))
+            growing = []
+            for i in active:
+                probs, (tokens, parents, node_probs, scores) = self.level_probs[i], nodes[i]
+                if d >= len(probs):
+                    continue
+                width = 1 if d == 0 else 2
+                parent = len(tokens) - 1 if d else -1
+                level = [probs[d], probs[d] / 2][:width]
+                tokens += (np.arange(width) + 50 + 2 * d).tolist()
+                parents += [parent] * width
+                node_probs += level
+                scores += [(scores[parent] if d else 0.0) + np.log(p) for p in level]
+                if not below_checkpoint(self.stop_below, d + 1, max(scores[-width:])):
+                    growing.append(i)
+            active, d = growing, d + 1
+        return {i: DraftTree(np.array(t), np.array(p), np.array(q)) for i, (t, p, q, _) in nodes.items() if t}
 
 
 def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
@@ -502,7 +508,7 @@ def test_cost_model_and_budget_table():
 
 
 def test_draft_tree_levels_renumber_parents_first():
-    from vllm_treespec.proposers.graft import draft_tree_levels
+    from vllm_treespec.proposers.graft.growth import draft_tree_levels
 
     tree = DraftTree(np.array([5, 6, 7, 8, 9]), np.array([-1, -1, 0, 1, 2]),
                      np.array([0.5, 0.25, 1.0, 0.5, 0.125], np.float32))

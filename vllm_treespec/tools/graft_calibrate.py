@@ -30,8 +30,9 @@ import msgspec
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, VerificationResult
-from vllm_treespec.proposers.graft import (CALIBRATION_VERSION, DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS,
-                                           GraftCalibration, GraftOptions, GraftProposer)
+from vllm_treespec.proposers.graft.calibration import CALIBRATION_VERSION, GraftCalibration
+from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, GraftOptions
+from vllm_treespec.proposers.graft.proposer import GraftProposer
 
 THRESHOLD_GRID = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 BUDGET_GRID = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)

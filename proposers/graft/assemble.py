@@ -1,0 +1,75 @@
+"""graft's final tree: the draft plus the best grafted nodes up to the budget, identical paths merged (the merge is
+retrieval's :func:`vllm_treespec.retrieval.union_trees`), less the nodes below the confidence floor."""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+from vllm_treespec.api import DraftTree
+from vllm_treespec.proposers.graft.acceptance import AcceptanceCalibration
+from vllm_treespec.proposers.graft.growth import DraftGrowth
+from vllm_treespec.retrieval import union_trees
+
+
+class AssembledTree(NamedTuple):
+    tree: DraftTree
+    #: per node: the source (AcceptanceCalibration id, -1 = unknown) whose path gave its score, and that source's raw
+    #: confidence of the node given its parent
+    sources: np.ndarray
+    raw_probs: np.ndarray
+
+
+def assemble(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_score: float = 0.0, *,
+             calibration: AcceptanceCalibration | None = None, draft_source: int = -1) -> DraftTree:
+    """:func:`assemble_tree` without the per-node sources."""
+    return assemble_tree(draft, grafts, budget, min_score, calibration=calibration, draft_source=draft_source).tree
+
+
+def assemble_tree(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_score: float = 0.0, *,
+                  calibration: AcceptanceCalibration | None = None, draft_source: int = -1) -> AssembledTree:
+    """The draft nodes plus the best grafted nodes up to ``budget``, with identical paths merged, less the nodes
+    scoring below ``min_score``.
+
+    ``grafts`` are (draft node or -1 for the root, tree continuing that node[, source id]). A node's score is its path
+    confidence (the highest any source gives the path), each step's probability passed through ``calibration`` (by
+    source) when given; the result is ordered by score, so every prefix is the best subtree.
+    """
+    def calibrated(source: int, raw: np.ndarray) -> np.ndarray:
+        return calibration(source, raw) if calibration is not None and source >= 0 else raw
+
+    # the draft's own step probabilities (its nodes are in drafting order: parents first)
+    log_scores = np.asarray(draft.log_scores, np.float64)
+    draft_parents = np.asarray(draft.parents, np.int64)
+    step_raw = np.exp(log_scores - np.where(draft_parents < 0, 0.0, log_scores[np.maximum(draft_parents, 0)])) \
+        if log_scores.size else log_scores
+    # the draft comes first, so a graft's draft node is also its index among all input nodes
+    trees, attach, sources, raws = [(draft.tokens, draft_parents, calibrated(draft_source, step_raw))], [-1], \
+        [np.full(len(draft), draft_source, np.int64)], [step_raw]
+    for at, tree, *source in grafts:
+        source = int(source[0]) if source else -1
+        raw = np.asarray(tree.probs, np.float64)
+        trees.append((tree.token_ids, tree.parents, calibrated(source, raw)))
+        attach.append(-1 if at < 0 else at)
+        sources.append(np.full(tree.num_nodes, source, np.int64))
+        raws.append(raw)
+    union = union_trees(trees, attach)
+    num_draft = int(union.node_of[: len(draft)].max()) + 1 if len(draft) else 0  # a drafter may repeat a sibling
+    score = union.scores
+    grafted = np.arange(num_draft, score.size)
+    # scores never increase along a path and ties keep creation order, so this order has parents first
+    grafted = grafted[np.lexsort((grafted, -score[grafted]))][: max(0, budget - num_draft)]
+    chosen = np.concatenate([np.arange(num_draft), grafted])
+    # a child never scores above its parent, so the threshold keeps the tree closed under parents
+    chosen = chosen[score[chosen] >= min_score]
+    chosen = chosen[np.lexsort((chosen, -score[chosen]))]
+    new_index = np.full(score.size, -1, np.int64)
+    new_index[chosen] = np.arange(chosen.size)
+    par = union.parents[chosen]
+    out_parents = np.where(par < 0, -1, new_index[np.maximum(par, 0)])
+    parent_score = np.where(par < 0, 1.0, score[np.maximum(par, 0)])
+    tree = DraftTree(union.token_ids[chosen], out_parents,
+                     (score[chosen] / np.maximum(parent_score, 1e-30)).astype(np.float32))
+    origin = union.origin[chosen]
+    return AssembledTree(tree, np.concatenate(sources)[origin], np.concatenate(raws)[origin])

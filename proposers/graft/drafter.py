@@ -1,0 +1,85 @@
+"""graft's model drafter: a draft model (an EAGLE-3 or KV-aware head drafting EAGLE-2 dynamic trees, as ``eagle_tree``
+/ ``kv_aware`` do) that drafts each request's scored tree, stopping at graft's checkpoints where it can."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Sequence
+
+from vllm_treespec.api import DraftTree, ProposeContext
+
+#: the source name under which the model drafter's nodes are calibrated
+MODEL_SOURCE = "model"
+
+
+class ModelDrafter(abc.ABC):
+    """A draft model (e.g. an EAGLE head) that drafts a finished, scored tree per request in one call. graft cuts
+    each tree to its budget and prunes it at its checkpoints level by level (:mod:`.growth`); a drafter that can stop
+    early at the checkpoints in :attr:`stop_below` saves the levels graft would prune."""
+
+    #: the target hidden states the drafter reads (TreeProposer semantics)
+    needs_hidden_states: bool = False
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    #: the drafter reads the target's KV cache (``ctx.kv_cache``)
+    needs_kv_cache: bool = False
+    #: graft's checkpoints (depth -> confidence; set by the proposer): a request's draft may stop at the first one its
+    #: best path falls below ("draft less"). None = draft in full
+    stop_below: dict[int, float] | None = None
+
+    def load_model(self, model: Any) -> None:
+        """Called with the target model once it is loaded."""
+
+    def ingest(self, ctx: ProposeContext) -> None:
+        """Called every step the drafter drafts, for every request (e.g. to read newly committed hidden states)."""
+
+    def release(self, req_ids: set[str]) -> None:
+        """Requests that finished; drop their state."""
+
+    @abc.abstractmethod
+    def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
+        """Scored trees (``node_probs`` given) of at most ``ctx.max_nodes`` nodes for the batch rows ``rows``; a row
+        it cannot draft (no hidden states yet) is left out and gets a retrieval-only tree."""
+
+
+class EagleModelDrafter(ModelDrafter):
+    """The ``eagle_tree`` drafter (EAGLE-3 head, EAGLE-2 dynamic tree) as graft's model drafter: it stops a request's
+    expansion at the checkpoint that prunes it, so pruned levels are never drafted."""
+
+    needs_hidden_states = True
+
+    def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
+        from vllm_treespec.proposers.eagle_tree import EagleDrafter
+
+        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="bfloat16")
+        self.aux_hidden_state_layers = self.drafter.aux_layers
+        self.needs_kv_cache = self.drafter.reads_target_kv
+        self.vllm_config = vllm_config
+        self._ready: set[int] = set()
+
+    def load_model(self, model: Any) -> None:
+        self.drafter.load_from_target(model, self.vllm_config)
+
+    def ingest(self, ctx: ProposeContext) -> None:
+        self._ready = set(self.drafter.ingest(ctx))
+
+    def release(self, req_ids: set[str]) -> None:
+        self.drafter.release(req_ids)
+
+    def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
+        return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below)
+
+
+def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
+                       top_k: int = 8) -> ModelDrafter | None:
+    """The model drafter for ``eagle_checkpoint`` ("auto" / "kv_aware": the trained default EAGLE-3 / hybrid
+    KV-aware head if there is one); None for retrieval-only trees."""
+    if checkpoint in (None, "none"):
+        return None
+    from vllm_treespec.proposers.eagle_tree import default_kv_head_path
+
+    if checkpoint in ("auto", "kv_aware"):
+        path = default_kv_head_path("hidden" if checkpoint == "auto" else "hybrid")
+        if not (path / "config.json").is_file():
+            return None
+        checkpoint = str(path)
+    return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)

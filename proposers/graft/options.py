@@ -1,0 +1,129 @@
+"""graft's options (:class:`GraftOptions`), checked when the config is read, and the pruning defaults they fall back
+on."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+from vllm_treespec.proposers._retrieval_base import check_datastore_option
+from vllm_treespec.proposers.graft.calibration import check_checkpoints, check_thresholds, load_calibration
+
+SourceName = Literal["successor", "suffix", "ngram"]
+GraftPosition = Literal["root", "deepest", "both"]
+#: checkpoints and thresholds when neither the options nor a calibration file give them (see ``calibrate``)
+#: (what ``calibrate`` chose for SmolLM2-135M on 2 CPU cores, MT-Bench + HumanEval, budget 32)
+DEFAULT_CHECKPOINTS = (1, 2, 6)
+DEFAULT_THRESHOLDS = (0.0, 0.4, 0.9)
+
+
+class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    #: tree nodes per request at batch 1; None = the verify budget (num_speculative_tokens)
+    budget: int | None = None
+    #: draft depths (levels below the root) where confidence is checked; None = calibration file, else (1, 2, 6)
+    checkpoints: tuple[int, ...] | None = None
+    #: one per checkpoint: below it the draft stops growing; None = calibration file, else (0, 0.4, 0.9)
+    thresholds: tuple[float, ...] | None = None
+    #: False = never prune the draft (ablation "graft without pruning")
+    prune: bool = True
+    #: False = the draft alone, freed budget unused (ablation "graft without grafting")
+    graft: bool = True
+    #: where retrieved continuations are attached: the root, the deepest retained draft node, or both
+    graft_position: GraftPosition = "root"
+    #: retrieval sources, in order of preference for the draft when no model drafter is loaded
+    sources: tuple[SourceName, ...] = ("suffix", "successor", "ngram")
+    #: successors kept per token in the successor table
+    successor_k: int = 8
+    #: deepest level of any retrieved tree
+    max_depth: int = 16
+    #: index finished outputs in a global suffix automaton and retrieve from it
+    suffix_global: bool = True
+    #: corpus datastore (``vllm-treespec datastore build``) for the suffix source; None = no corpus
+    datastore: str | None = None
+    #: shortest n-gram ending the context that the n-gram source looks up
+    ngram_min_n: int = 2
+    #: longest n-gram the n-gram source looks up
+    ngram_max_n: int = 4
+    #: model drafter head folder (an EAGLE-3 head or a KV-aware head); "auto" = the EAGLE-3 head
+    #: `vllm-treespec train-eagle` wrote to the cache, "kv_aware" = the hybrid KV-aware head it wrote with
+    #: `--mode hybrid`, if there is one; "none" (default) = retrieval-only trees, which need no trained head (on CPU
+    #: with the small SmolLM2 head they are about as fast as grafting onto it: docs/benchmarks.md)
+    eagle_checkpoint: str = "none"
+    #: the model drafter's levels below the root (eagle_tree's ``depth``)
+    eagle_depth: int = 6
+    #: the model drafter's children per expanded node and nodes expanded per level (eagle_tree's ``top_k``)
+    eagle_top_k: int = 8
+    #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
+    #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
+    stop_drafting_at_checkpoints: bool = True
+    #: the model drafter drafts (and reads the step's rows) only while the batch has at most this many requests;
+    #: larger batches get retrieval-only trees. None = the device default (CPU 1, else no limit), or no limit when
+    #: adaptive_budget is off (no load adaptation at all)
+    model_draft_max_batch: int | None = None
+    #: nodes whose path confidence (estimated chance the target accepts the whole path) is below this are not
+    #: verified, even within the budget: each verified token costs forward time, which on a compute-bound device
+    #: only a likely node pays back. 0 = fill the budget; None = the device default (CPU 0.05, else 0)
+    min_node_confidence: float | None = None
+    #: rank and floor nodes by their observed acceptance rate (per source and raw-confidence bin, learned online from
+    #: every verification) instead of the sources' raw confidences, which are not comparable across sources
+    calibrate_acceptance: bool = True
+    #: shrink the per-request budget as the batch grows
+    adaptive_budget: bool = True
+    #: tokens per verify forward that cost about one decode step; None = calibration file, else a device default
+    knee_tokens: int | None = None
+    #: the adaptive budget never goes below this (0 = no speculation at high load)
+    min_budget: int = 0
+    #: JSON written by ``vllm-treespec graft calibrate``: thresholds and the budget-by-batch table
+    calibration_path: str | None = None
+    #: a request's suffix automaton and n-gram index cover at most this many of its latest tokens
+    max_tokens_per_request: int = 32768
+    #: requests whose retrieval state is kept (least recently used ones are dropped first)
+    max_cached_requests: int = 256
+
+    def __post_init__(self) -> None:
+        positive = ("successor_k", "max_depth", "ngram_min_n", "ngram_max_n", "max_cached_requests", "eagle_depth",
+                    "eagle_top_k")
+        optional = ("budget", "knee_tokens", "model_draft_max_batch")
+        for name in positive + tuple(n for n in optional if getattr(self, n) is not None):
+            if getattr(self, name) < 1:
+                raise ValueError(f"graft option {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.min_budget < 0:
+            raise ValueError(f"graft option 'min_budget' must be >= 0, got {self.min_budget}")
+        if self.min_node_confidence is not None and not 0.0 <= self.min_node_confidence < 1.0:
+            raise ValueError(f"graft option 'min_node_confidence' must be in [0, 1), got {self.min_node_confidence}")
+        if self.max_tokens_per_request < 2:
+            raise ValueError(f"graft option 'max_tokens_per_request' must be >= 2, got {self.max_tokens_per_request}")
+        if self.ngram_max_n < self.ngram_min_n:
+            raise ValueError(f"graft option 'ngram_max_n' ({self.ngram_max_n}) must be >= 'ngram_min_n' "
+                             f"({self.ngram_min_n})")
+        if not self.sources or len(set(self.sources)) != len(self.sources):
+            raise ValueError(f"graft option 'sources' must name each source at most once and not be empty, "
+                             f"got {list(self.sources)}")
+        if self.checkpoints is not None:
+            check_checkpoints("graft option 'checkpoints'", self.checkpoints)
+        if self.thresholds is not None:
+            check_thresholds("graft option 'thresholds'", self.thresholds)
+        if (self.checkpoints is None) != (self.thresholds is None) and self.calibration_path is None:
+            given = "checkpoints" if self.thresholds is None else "thresholds"
+            missing = "thresholds" if given == "checkpoints" else "checkpoints"
+            raise ValueError(f"graft option {given!r} needs {missing!r} too (or a 'calibration_path' that has them)")
+        if self.checkpoints is not None and self.thresholds is not None \
+                and len(self.checkpoints) != len(self.thresholds):
+            raise ValueError(f"graft options 'checkpoints' ({len(self.checkpoints)}) and 'thresholds' "
+                             f"({len(self.thresholds)}) must have the same length")
+        if self.datastore is not None:
+            check_datastore_option("graft option 'datastore'", self.datastore)
+        if self.eagle_checkpoint not in ("auto", "none", "kv_aware"):
+            if not os.path.exists(self.eagle_checkpoint):
+                raise ValueError(f"graft option 'eagle_checkpoint': no such file or directory "
+                                 f"{self.eagle_checkpoint!r}")
+            from vllm_treespec.proposers.eagle_tree import resolve_checkpoint
+
+            resolve_checkpoint(self.eagle_checkpoint, "graft option 'eagle_checkpoint'")
+        if self.calibration_path is not None:
+            try:
+                load_calibration(self.calibration_path)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"graft option 'calibration_path': {e}") from e

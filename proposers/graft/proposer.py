@@ -1,0 +1,221 @@
+"""The ``graft`` proposer (:class:`GraftProposer`): per request and step, draft (a model drafter or the most confident
+retrieval source), prune at the checkpoints, graft retrieved continuations into the freed budget, and learn from
+every verification (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
+from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, DEFAULT_MODEL_DRAFT_MAX_BATCH, device_kind
+from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
+from vllm_treespec.proposers.graft.acceptance import AcceptanceCalibration
+from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree
+from vllm_treespec.proposers.graft.budget import budget_curve
+from vllm_treespec.proposers.graft.calibration import load_calibration
+from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter, load_model_drafter
+from vllm_treespec.proposers.graft.growth import (DraftGrowth, draft_tree_levels, first_checkpoint_confidence,
+                                                  grow_draft, tree_levels)
+from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, GraftOptions
+from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, RetrievalSources
+from vllm_treespec.retrieval import RetrievedTree, load_datastore
+
+logger = logging.getLogger("vllm.treespec")
+
+
+@dataclass
+class GraftStats:
+    steps: int = 0
+    trees: int = 0
+    draft_nodes: int = 0
+    grafted_nodes: int = 0
+    pruned: int = 0
+    draft_source: dict[str, int] = field(default_factory=dict)
+    #: steps where a loaded model drafter sat out because the batch exceeded model_draft_max_batch
+    retrieval_only_steps: int = 0
+
+
+class GraftProposer(TreeProposer):
+    options_type = GraftOptions
+    wants_target_logits = True
+
+    def __init__(self, vllm_config: Any = None, options: GraftOptions | None = None, *,
+                 drafter: ModelDrafter | None = None, vocab_size: int | None = None) -> None:
+        super().__init__(vllm_config, options)
+        opts: GraftOptions = self.options
+        calibration = load_calibration(opts.calibration_path) if opts.calibration_path else None
+        checkpoints = opts.checkpoints or (calibration.checkpoints if calibration else DEFAULT_CHECKPOINTS)
+        thresholds = opts.thresholds or (calibration.thresholds if calibration else DEFAULT_THRESHOLDS)
+        self.checkpoints = dict(zip(checkpoints, thresholds)) if opts.prune else {}
+        self.first_checkpoint = int(checkpoints[0])
+        self.sources = self._retrieval_sources(vllm_config, vocab_size)
+        kind = device_kind(vllm_config)  # key of the per-device defaults
+        self.max_budget = opts.budget or self.max_nodes or 0
+        self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
+                                    DEFAULT_MIN_NODE_CONFIDENCE[kind])
+        if opts.model_draft_max_batch is not None:
+            self.model_draft_max_batch = opts.model_draft_max_batch
+        else:
+            self.model_draft_max_batch = DEFAULT_MODEL_DRAFT_MAX_BATCH["other" if not opts.adaptive_budget else kind]
+        self.budget_curve = budget_curve(opts, calibration, kind, self.max_budget)
+        self.drafter = drafter if drafter is not None else load_model_drafter(
+            opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k)
+        if self.drafter is None:
+            logger.warning("graft: no EAGLE head (eagle_checkpoint=%r), so no model drafter: drafting retrieval-only "
+                           "trees (draft = the most confident of %s, pruned at depths %s, grafted from the others)",
+                           opts.eagle_checkpoint, list(opts.sources), list(self.checkpoints))
+        else:
+            # the drafter stops a request's draft at the checkpoint that prunes it: those levels are never drafted
+            self.drafter.stop_below = self.checkpoints if opts.stop_drafting_at_checkpoints else None
+            self.needs_hidden_states = self.drafter.needs_hidden_states
+            self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
+            self.needs_kv_cache = self.drafter.needs_kv_cache
+        self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
+        self.calibration = (AcceptanceCalibration(list(opts.sources) + [MODEL_SOURCE]) if opts.calibrate_acceptance
+                            else None)
+        self._last_trees: dict[str, AssembledTree] = {}  # each request's last tree, to learn acceptance from
+        self.stats = GraftStats()
+
+    def _retrieval_sources(self, vllm_config: Any, vocab_size: int | None) -> RetrievalSources:
+        opts: GraftOptions = self.options
+        model_config = getattr(vllm_config, "model_config", None)
+        if vocab_size is None:
+            vocab_size = model_config.get_vocab_size() if model_config is not None else FALLBACK_VOCAB_SIZE
+        corpus = None
+        if opts.datastore is not None:
+            corpus = load_datastore(opts.datastore, model_vocab_size=vocab_size if model_config else None,
+                                    expected_tokenizer=getattr(model_config, "tokenizer", None)).automaton
+        return RetrievalSources(opts, vocab_size, corpus)
+
+    # --- budget ----------------------------------------------------------------------------------------------------
+    def budget(self, ctx: ProposeContext) -> int:
+        cap = ctx.max_nodes if ctx.max_nodes > 0 else self.max_budget
+        return min(self.budget_curve(ctx.num_reqs), cap, self.max_budget or cap)
+
+    # --- proposing -------------------------------------------------------------------------------------------------
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        self.stats.steps += 1
+        budget = self.budget(ctx)
+        use_drafter = self.drafter is not None and budget > 0 and ctx.num_reqs <= self.model_draft_max_batch
+        if use_drafter:
+            # When the head will not draft (zero budget at high load, or a batch above model_draft_max_batch) it
+            # does not read this step's rows either: that cost 12-14% of throughput at 4-16 requests. Rows it skips
+            # stay masked out of its KV (drafts get worse after a busy spell; verification keeps them exact).
+            self.drafter.ingest(ctx)
+        rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
+        trees: list[DraftTree | None] = [None] * ctx.num_reqs
+        if budget <= 0 or not rows:
+            return trees
+        if self.drafter is not None and not use_drafter:
+            self.stats.retrieval_only_steps += 1
+        model_drafts = self._model_drafts(ctx, rows, budget) if use_drafter else {}
+        for i in rows:
+            trees[i] = self._tree(ctx, i, budget, model_drafts.get(i))
+        return trees
+
+    def _model_drafts(self, ctx: ProposeContext, rows: list[int], budget: int) -> dict[int, DraftGrowth]:
+        """The drafter's trees, cut to the budget and pruned at the checkpoints; a row the drafter could not draft
+        (no hidden states yet, head not loaded) gets a retrieval-only tree."""
+        growths = {i: grow_draft(draft_tree_levels(t), budget, self.checkpoints, self.options.max_depth)
+                   for i, t in self.drafter.draft(ctx, rows).items()}
+        return {i: g for i, g in growths.items() if len(g)}
+
+    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None) -> DraftTree:
+        req_id, context = ctx.req_ids[i], ctx.committed(i)
+        prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
+        self.sources.observe(req_id, context)
+        self._roots[req_id] = int(context[-1])
+        found = self.sources.at_root(req_id, context, budget, prompt_len)
+        draft_source = MODEL_SOURCE
+        if draft is None:  # retrieval-only: the most confident source drafts
+            draft_source = self._most_confident(found)
+            draft = grow_draft(tree_levels(found[draft_source]), budget, self.checkpoints, self.options.max_depth)
+            if len(draft):
+                self.stats.draft_source[draft_source] = self.stats.draft_source.get(draft_source, 0) + 1
+        grafts = self._grafts(req_id, context, draft, found, [s for s in found if s != draft_source])
+        assembled = assemble_tree(draft, grafts, budget, self.min_node_confidence, calibration=self.calibration,
+                                  draft_source=self._source_id(draft_source))
+        tree = assembled.tree
+        if self.calibration is not None:
+            self._last_trees[req_id] = assembled
+        self.stats.trees += 1
+        self.stats.draft_nodes += len(draft)
+        self.stats.grafted_nodes += tree.num_nodes - len(draft)
+        self.stats.pruned += draft.pruned_at is not None
+        return tree
+
+    def _source_id(self, name: str) -> int:
+        """The source's id in the acceptance calibration (-1 without one)."""
+        return self.calibration.source_id(name) if self.calibration is not None else -1
+
+    def _most_confident(self, found: dict[str, RetrievedTree]) -> str:
+        """The source whose tree is most confident at the first checkpoint, calibrated if learned (ties: the order of
+        ``sources``)."""
+        def confidence(name: str) -> float:
+            t = found[name]
+            if self.calibration is not None and t.num_nodes:
+                t = t._replace(probs=self.calibration(self._source_id(name), t.probs))
+            return first_checkpoint_confidence(t, self.first_checkpoint)
+
+        return sorted(found, key=lambda s: -confidence(s))[0]
+
+    def _grafts(self, req_id: str, context: np.ndarray, draft: DraftGrowth, found: dict[str, RetrievedTree],
+                names: list[str]) -> list[tuple[int, RetrievedTree, int]]:
+        """(draft node or -1 for the root, retrieved tree, source id) to fill the budget the draft left free."""
+        opts: GraftOptions = self.options
+        grafts: list[tuple[int, RetrievedTree, int]] = []
+        if not opts.graft or draft.remaining <= 0:
+            return grafts
+        if opts.graft_position in ("root", "both"):
+            grafts += [(-1, found[s], self._source_id(s)) for s in names]
+        deepest = draft.deepest()
+        if opts.graft_position in ("deepest", "both") and deepest >= 0:
+            path = draft.path_tokens(deepest)
+            grafts += [(deepest, t, self._source_id(s)) for s, t in
+                       self.sources.after_path(req_id, context, path, draft.remaining, names)]
+        return grafts
+
+    # --- learning from verification --------------------------------------------------------------------------------
+    def on_verified(self, results: list[VerificationResult]) -> None:
+        """Refresh the successor table from the target's distribution at every verified row: row 0 follows the root
+        token, row 1 + j follows node j's token, whether the node was accepted or not."""
+        import torch
+
+        if self.calibration is not None:
+            self.calibration.observe_verified(results, self._last_trees)
+        tokens, logits = [], []
+        for r in results:
+            root = self._roots.get(r.req_id)
+            if r.target_logits is None or root is None:
+                continue
+            n = min(r.target_logits.shape[0], r.tree.num_nodes + 1)
+            tokens.append(np.concatenate([[root], r.tree.token_ids[: n - 1]]))
+            logits.append(r.target_logits[:n])
+        if not tokens or self.sources.successors is None:
+            return
+        rows = torch.cat(logits).float()
+        top, ids = rows.topk(self.sources.successors.k, dim=-1)
+        probs = torch.exp(top - torch.logsumexp(rows, dim=-1, keepdim=True))
+        self.learn_successors(np.concatenate(tokens), ids.numpy(), probs.numpy())
+
+    def learn_successors(self, tokens: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
+        """Row ``tokens[i]`` of the successor table := the target's top-k after it (also used by offline replay)."""
+        self.sources.learn(tokens, topk_ids, topk_probs)
+
+    def load_model(self, model: Any) -> None:
+        super().load_model(model)
+        compile_retrieval_kernels()
+        if self.drafter is not None:
+            self.drafter.load_model(model)
+
+    def on_requests_finished(self, req_ids: set[str]) -> None:
+        if self.drafter is not None:
+            self.drafter.release(req_ids)
+        for r in req_ids:
+            self._roots.pop(r, None)
+            self._last_trees.pop(r, None)
+        self.sources.release(req_ids)

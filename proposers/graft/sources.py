@@ -1,0 +1,112 @@
+"""graft's retrieval sources, by name: a top-k successor table (Token Recycling, arXiv 2408.08696) learned online from
+the target's distributions and seeded from committed bigrams, suffix automata (the request's prompt + output,
+finished outputs, an optional corpus datastore) and an n-gram index."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+
+from vllm_treespec.proposers.graft.options import GraftOptions
+from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever
+
+#: successor-table vocabulary when the model's is unknown (no vllm_config); tokens beyond it are not learned
+FALLBACK_VOCAB_SIZE = 1 << 17
+#: confidence scale of successors seeded from committed bigrams (they are counts, not target distributions)
+SEED_CONFIDENCE = 0.5
+
+
+class RetrievalSources:
+    """Graft's retrieval side: the successor table, the suffix automata and the n-gram index, by source name."""
+
+    def __init__(self, opts: GraftOptions, vocab_size: int, corpus: Any = None) -> None:
+        self.names = tuple(opts.sources)
+        self.max_depth = opts.max_depth
+        self.successors = SuccessorTable(vocab_size, opts.successor_k) if "successor" in self.names else None
+        self.suffix = SuffixRetriever(
+            max_depth=opts.max_depth, max_tokens_per_request=opts.max_tokens_per_request,
+            max_requests=opts.max_cached_requests, global_max_tokens=(1 << 20) if opts.suffix_global else 0,
+            corpus=corpus) if "suffix" in self.names else None
+        self.ngram = NgramRetriever(
+            min_n=opts.ngram_min_n, max_n=opts.ngram_max_n, max_depth=opts.max_depth,
+            max_tokens_per_request=opts.max_tokens_per_request,
+            max_requests=opts.max_cached_requests) if "ngram" in self.names else None
+        self._seen: dict[str, int] = {}  # committed tokens already fed to the successor table, per request
+
+    def at_root(self, req_id: str, context: np.ndarray, budget: int, prompt_len: int) -> dict[str, RetrievedTree]:
+        """Each source's tree continuing ``context``."""
+        out = {}
+        for name in self.names:
+            if name == "successor":
+                tok, par, prob = self.successors.tree(int(context[-1]), budget, self.max_depth)
+                out[name] = RetrievedTree(tok, par, prob, 1)
+            elif name == "suffix":
+                out[name] = self.suffix.retrieve(req_id, context, budget, prompt_len=prompt_len)
+            else:
+                out[name] = self.ngram.retrieve(req_id, context, budget)
+        return out
+
+    def after_path(self, req_id: str, context: np.ndarray, path: list[int], budget: int,
+                   names: Iterable[str]) -> list[tuple[str, RetrievedTree]]:
+        """(source, tree) continuing ``context + path`` (a draft path that is not committed), from the successor
+        table and the suffix automata; the n-gram index only answers for its indexed context."""
+        out = []
+        for name in names:
+            if name == "successor":
+                tok, par, prob = self.successors.tree(path[-1], budget, self.max_depth)
+                out.append((name, RetrievedTree(tok, par, prob, 1)))
+            elif name == "suffix":
+                window = np.concatenate([context[-self.suffix.match_window:], np.asarray(path, context.dtype)])
+                automata = [self.suffix.requests.get(req_id, len(context), 0).index]
+                if self.suffix.global_store is not None and len(self.suffix.global_store):
+                    automata.append(self.suffix.global_store.sam)
+                if self.suffix.corpus is not None:
+                    automata.append(self.suffix.corpus)
+                for automaton in automata:
+                    state, length = automaton.match(window)
+                    if length > len(path):  # the match reaches into the committed context
+                        tok, par, prob = automaton.tree(state, budget, self.max_depth)
+                        out.append((name, RetrievedTree(tok, par, prob, length)))
+        return out
+
+    def observe(self, req_id: str, context: np.ndarray) -> None:
+        """Seed the successor rows of tokens the target has not scored yet from the committed bigrams."""
+        if self.successors is None:
+            return
+        seen = self._seen.get(req_id, 0)
+        self._seen[req_id] = len(context)
+        new = context[max(seen - 1, 0, len(context) - 8192):]
+        if new.size < 2:
+            return
+        first = new[:-1].astype(np.int64)
+        ok = (first < self.successors.vocab_size) & (new[1:] >= 0)
+        first, second = first[ok], new[1:][ok].astype(np.int64)
+        empty = self.successors.ids[first, 0] < 0
+        if not empty.any():
+            return
+        pairs, counts = np.unique(np.stack([first[empty], second[empty]], 1), axis=0, return_counts=True)
+        order = np.lexsort((-counts, pairs[:, 0]))  # by token, most frequent successor first
+        pairs, counts = pairs[order], counts[order]
+        starts = np.r_[0, np.nonzero(np.diff(pairs[:, 0]))[0] + 1]
+        k = self.successors.k
+        ids = np.full((starts.size, k), -1, np.int32)
+        probs = np.zeros((starts.size, k), np.float32)
+        ends = np.r_[starts[1:], pairs.shape[0]]
+        for r, (s, e) in enumerate(zip(starts, ends)):
+            m = min(k, e - s)
+            ids[r, :m] = pairs[s:s + m, 1]
+            probs[r, :m] = SEED_CONFIDENCE * counts[s:s + m] / counts[s:e].sum()
+        self.successors.update(pairs[starts, 0], ids, probs)
+
+    def learn(self, tokens: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
+        """The target's top-k successors of each token (rows of verified distributions)."""
+        if self.successors is not None and len(tokens):
+            self.successors.update(tokens, topk_ids, topk_probs)
+
+    def release(self, req_ids: set[str]) -> None:
+        for r in req_ids:
+            self._seen.pop(r, None)
+        for retriever in (self.suffix, self.ngram):
+            if retriever is not None:
+                retriever.release(req_ids)
