@@ -25,10 +25,11 @@ from vllm_treespec.verify.support import attention_layers, tree_unsupported_reas
 
 logger = logging.getLogger("vllm.treespec")
 
-# The vLLM objects this package relies on, attribute by attribute: everything the verifier (this package),
-# vllm_treespec/kv_view.py and the runner patch read or write on vLLM's model runner (GPUModelRunner, CPUModelRunner),
-# its InputBatch, the BlockTable of KV-cache group 0 and the runner's CachedRequestState entries.
-# tests/unit/test_runner_contract.py checks that the code uses exactly these and that the installed vLLM has each.
+# The vLLM objects tree verification relies on, attribute by attribute: everything the modules of CONTRACT_MODULES
+# read or write on vLLM's model runner (GPUModelRunner, CPUModelRunner), its InputBatch, the BlockTable of KV-cache
+# group 0 and the runner's CachedRequestState entries. tests/unit/test_runner_contract.py checks that those modules use
+# exactly these (parsing them) and that the installed vLLM has each.
+CONTRACT_MODULES = ("vllm_treespec.verify", "vllm_treespec.kv_view", "vllm_treespec.patches.model_runner")
 RUNNER_ATTRIBUTES = (
     "_draft_prob_req_ids", "_draft_probs", "drafter", "input_batch", "kv_cache_config", "model", "positions",
     "query_start_loc", "requests", "speculative_config", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
