@@ -48,7 +48,7 @@ class EagleModelDrafter(ModelDrafter):
     needs_hidden_states = True
 
     def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
-        from vllm_treespec.proposers.eagle_tree import EagleDrafter
+        from vllm_treespec.eagle.drafter import EagleDrafter  # torch: only once a head is used
 
         self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="bfloat16")
         self.aux_hidden_state_layers = self.drafter.aux_layers

@@ -9,7 +9,7 @@ import torch
 
 from vllm_treespec.api import ProposeContext
 from vllm_treespec.eagle.model import Eagle3Head, HeadConfig
-from vllm_treespec.proposers.eagle_tree import EagleDrafter
+from vllm_treespec.eagle.drafter import EagleDrafter
 from vllm_treespec.training.train import ttt_forward
 
 VOCAB, HIDDEN = 300, 64

@@ -139,13 +139,13 @@ class HiddenStateProbeProposer(TreeProposer):
         """K/V the cache holds for this step's committed rows vs. the KV-aware trainer's recomputation."""
         import torch
 
-        from vllm_treespec.proposers.eagle_tree import _view_layer_index
+        from vllm_treespec.eagle.drafter import view_layer_index
 
         aux = torch.stack([a[first: last + 1] for a in ctx.aux_hidden_states], dim=1)[None].float()
         positions = torch.arange(p0, p0 + last - first + 1)
         k_ref, v_ref = self.projector(aux, positions)
         for j, layer in enumerate(self.aux_hidden_state_layers):
-            k, v = ctx.kv_cache.read(_view_layer_index(ctx.kv_cache.layer_names, layer), i, p0, p0 + last - first + 1)
+            k, v = ctx.kv_cache.read(view_layer_index(ctx.kv_cache.layer_names, layer), i, p0, p0 + last - first + 1)
             for got, ref in ((k, k_ref[0, j]), (v, v_ref[0, j])):
                 err = float((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
                 self.kv_max_rel_err = max(self.kv_max_rel_err, err)

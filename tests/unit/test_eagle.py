@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from eagle_helpers import HIDDEN, VOCAB, check_chain_matches_unrolled_forward, draft_context, small_head
+from vllm_treespec.eagle.drafter import EagleDrafter
 from vllm_treespec.eagle.model import Eagle3Head
-from vllm_treespec.proposers.eagle_tree import EagleDrafter, EagleTreeOptions
+from vllm_treespec.proposers.eagle_tree import EagleTreeOptions
 
 
 @pytest.mark.parametrize("norm_before_fc", [False, True])
