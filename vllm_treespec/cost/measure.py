@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -30,7 +31,8 @@ from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRe
 
 logger = logging.getLogger("vllm.treespec")
 
-TOKEN_GRID = (1, 2, 4, 8, 16, 32, 64)
+#: dense where CPU GEMM paths switch (a few rows), sparse where time grows linearly
+TOKEN_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: requests of the multi-request points; each is measured at 1 and 4 tokens per request
 BATCH_REQS = (2, 4, 8)
 BATCH_TOKENS_PER_REQ = (1, 4)
@@ -121,7 +123,7 @@ def time_rounds(run: Callable[[int, int], float], points: Sequence[tuple[int, in
                 keep: Iterable[tuple[int, int]] = ()) -> list[StepSample]:
     """Warm-up runs per point (cheapest first: the better of two, one if the first is already past the limit),
     dropping points past ``stop_ratio`` times the cheapest or beyond what ``budget_s`` allows for ``repeats``
-    rounds (``keep``: points never dropped), then ``repeats`` interleaved rounds."""
+    rounds (``keep``: points never dropped), then ``repeats`` interleaved rounds, each in a shuffled order."""
     keep = set(keep)
     warm: dict[tuple[int, int], float] = {}
     for point in sorted(points):
@@ -137,7 +139,9 @@ def time_rounds(run: Callable[[int, int], float], points: Sequence[tuple[int, in
         chosen.append(point)
         spent += cost
     samples = []
+    rng = random.Random(0)
     for _ in range(repeats):
+        rng.shuffle(chosen)  # no point always follows the same one (caches, clocks)
         for point in chosen:
             samples.append(StepSample(point[0], point[1], run(*point)))
     return samples

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import msgspec
 import numpy as np
 
-HELD_OUT = ((3, 1), (6, 1), (12, 1), (24, 1), (48, 1), (6, 2), (12, 4), (24, 8))
+HELD_OUT = ((5, 1), (7, 1), (10, 1), (20, 1), (40, 1), (56, 1), (10, 2), (20, 4), (40, 8))
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="HF folder or name (default: the embedded SmolLM2-135M)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, auto")
     parser.add_argument("--points", type=parse_points, default=None,
-                        help="fit points as TOKENS[xREQUESTS],… (default: 1..64 tokens at 1 request, 2/4/8 requests "
-                             "at 1 and 4 tokens each)")
+                        help="fit points as TOKENS[xREQUESTS],… (default: 1-4, 6, 8, 12 … 64 tokens at 1 request, "
+                             "2/4/8 requests at 1 and 4 tokens each)")
     parser.add_argument("--held-out", nargs="?", const=HELD_OUT, type=parse_points, default=(),
                         help="also time points outside the fit (default set: "
                              + ",".join(f"{t}x{r}" for t, r in HELD_OUT) + ") and print predicted vs measured")
