@@ -28,16 +28,18 @@ def prompts(model):
     return chat_prompts(model, limit_mt=6, limit_he=6)
 
 
+# Engines that live across tests run multiprocess; each test's own engine runs in-process (engine_helpers.make_llm).
 @pytest.fixture(scope="module")
 def base(model):
-    llm = make_llm(model)
+    llm = make_llm(model, in_process=False)
     yield llm
     close(llm)
 
 
 @pytest.fixture(scope="module")
 def tree(model):
-    llm = make_llm(model, {"method": "static_tree", "num_speculative_tokens": 24, "branches": 4, "depth": 6})
+    llm = make_llm(model, {"method": "static_tree", "num_speculative_tokens": 24, "branches": 4, "depth": 6},
+                   in_process=False)
     yield llm
     close(llm)
 

@@ -1,4 +1,5 @@
-"""graft end to end: greedy output identical to no speculation (SmolLM2, fp32), at batch 8 and batch 1."""
+"""graft end to end: greedy output identical to no speculation (SmolLM2, fp32), at batch 8 and batch 1, in vLLM's
+default multiprocess engine (the other engine tests run their engines in-process, which start faster)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_engine_greedy_identical_to_no_speculation():
         expected = token_ids(base.generate(prompts, params, use_tqdm=False))
     finally:
         close(base)
-    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "graft_position": "both"})
+    llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "graft_position": "both"},
+                   in_process=False)
     try:
         got = token_ids(llm.generate(prompts, params, use_tqdm=False))  # batch 8
         got1 = [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts[:2]]  # batch 1

@@ -56,3 +56,6 @@ def test_in_process_engine_runs_a_numba_tree_method():
     result = run_python(code, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert "IDENTICAL True" in result.stdout, result.stderr[-3000:]
     assert int(float(result.stdout.split("DRAFTS")[1].split()[0])) > 0  # graft really drafted
+    # as trees: the engine without speculation, built first, must not pin the stock attention backend
+    log = result.stdout + result.stderr
+    assert "tree verification active" in log and "tree verification is off" not in log

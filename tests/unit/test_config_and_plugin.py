@@ -144,3 +144,21 @@ def test_cpu_kernel_rebind_survives_llvmlite_imported():
         del sys.modules[holder.__name__]
     assert holder.kernel_copy is wrapper  # the scan still rebinds kernels
     assert ffi.lib is lib  # and the hidden attribute is back
+
+
+def test_tree_backend_replaces_a_backend_resolved_earlier_in_the_process():
+    """In-process engines: an engine without a tree method resolves (and vLLM memoizes) the stock CPU backend; once
+    tree mode registers the override, the next resolution must give the tree backend, not the memo."""
+    result = run_python("""
+        import torch
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+        from vllm_treespec.attn import register_backends
+
+        with set_current_vllm_config(VllmConfig()):
+            before = get_attn_backend(64, torch.float32, "auto").__name__
+            register_backends()
+            after = get_attn_backend(64, torch.float32, "auto").__name__
+        print("BACKENDS", before, after)
+        """, {"VLLM_TREESPEC_TREE_MODE": "0"})
+    assert "BACKENDS CPUAttentionBackend TreeCPUAttentionBackend" in result.stdout, result.stderr[-3000:]
