@@ -1,0 +1,195 @@
+"""The fast CPU tree path (attn.cpu_fast / attn.cpu_kernel) against vLLM's CPU kernel, the float64 reference and the
+torch path; its fallback to the torch path (no engine)."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from proposers_helpers import random_tree
+from vllm_treespec.api import DraftTree
+from vllm_treespec.tree import TreeBatch
+
+pytest.importorskip("vllm")
+
+HQ, HKV, D, BS = 9, 3, 64, 128  # SmolLM2-135M's geometry (GQA 3, vLLM's CPU block size)
+SCALE = D ** -0.5
+
+
+def _batch(dtype, contexts, trees, seed=0, query_stride_pad=True):
+    """Random K/V written with vLLM's op into a shuffled paged cache, and a query shaped as the engine's (a strided
+    view into a wider projection output)."""
+    from vllm_treespec.attn import layout
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [c + t.num_nodes + 1 for c, t in zip(contexts, trees)]
+    blocks = [-(-n // BS) for n in lengths]
+    num_blocks = sum(blocks) + 2
+    kv_cache = torch.zeros(num_blocks, HKV, BS, 2 * D, dtype=dtype)
+    order = torch.randperm(num_blocks - 1, generator=generator) + 1
+    block_table = torch.zeros(len(trees) + 1, max(blocks) + 1, dtype=torch.int32)  # one extra (non-tree) batch row
+    raw, q_start, total = [], [], 0
+    used = 0
+    for r, n in enumerate(blocks):
+        block_table[r + 1, :n] = order[used:used + n].to(torch.int32)
+        used += n
+        positions = torch.arange(lengths[r])
+        slots = block_table[r + 1, positions // BS].long() * BS + positions % BS
+        k = torch.randn(lengths[r], HKV, D, generator=generator).to(dtype)
+        v = torch.randn(lengths[r], HKV, D, generator=generator).to(dtype)
+        layout.write_slots(kv_cache, slots, k, v, "vec")
+        raw.append((k, v))
+        q_start.append(total + 3)  # three rows of another request come first
+        total += trees[r].num_nodes + 1
+    wide = (2 * torch.randn(total + 3, HQ + 2 * HKV, D, generator=generator)).to(dtype)
+    query = wide[:, :HQ] if query_stride_pad else wide[:, :HQ].contiguous()
+    batch = TreeBatch.build(np.arange(1, len(trees) + 1), [str(i) for i in range(len(trees))], trees,
+                            np.array(q_start), np.array(contexts))
+    return kv_cache, block_table, query, batch, raw
+
+
+def _reference(query, raw, batch, contexts, trees):
+    from vllm_treespec.attn.reference import reference_tree_attention
+
+    out = {}
+    for r, (c, t) in enumerate(zip(contexts, trees)):
+        k, v = raw[r]
+        rows = query[batch.query_start[r]: batch.query_start[r] + t.num_nodes + 1]
+        out[r] = reference_tree_attention(rows, k[:c], v[:c], k[c:], v[c:], t.parents, SCALE)
+    return out
+
+
+def _fast(dtype):
+    from vllm_treespec.attn import cpu_fast
+
+    fast = cpu_fast.decide("vec", dtype, BS, D, HKV, HQ)
+    assert fast is not None
+    return fast
+
+
+@pytest.fixture
+def one_thread():
+    """vLLM's kernel splits a request's rows across OpenMP threads when it has several; the fast path follows its
+    one-thread schedule (the CPU worker's), which is where bit-equality holds."""
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(1)  # torch.set_num_threads itself is a no-op once an in-process CPU worker has run
+    yield
+    torch._C.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_is_vllm_kernel_bit_for_bit_on_chains(dtype, one_thread):
+    """Chains (every row sees the rows before it) are where vLLM's kernel and the tree path must agree: the start-up
+    check finds the profile of the loaded vLLM build and requires equality, across a KV tile boundary too."""
+    from vllm_treespec.attn import cpu_fast, cpu_kernel
+
+    fast = _fast(dtype)
+    assert fast.exact and fast.max_abs_diff == 0.0
+    assert (fast.avx512, fast.rne) == cpu_fast.expected_profile()
+    # Independently of the check: a batch of chains of several widths and contexts, some over one KV tile.
+    from vllm import _custom_ops as ops
+
+    widths = [2, 5, 17, 33]  # root + nodes
+    tile = cpu_kernel.kv_tile_length(17, HQ // HKV, D, torch.tensor([], dtype=dtype).element_size(), "vec")
+    contexts = [0, 200, tile + 40, 700]
+    trees = [DraftTree.chain(list(range(1, w))) for w in widths]
+    kv_cache, block_table, query, batch, _ = _batch(dtype, contexts, trees)
+    query_start = torch.tensor([0, 3] + [int(s + w) for s, w in zip(batch.query_start, widths)], dtype=torch.int32)
+    seq_lens = torch.tensor([3] + [c + w for c, w in zip(contexts, widths)], dtype=torch.int32)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=HQ, num_kv_heads=HKV, head_dim=D, seq_lens=seq_lens, dtype=dtype,
+        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa="vec", enable_kv_split=True)
+    key_cache, value_cache = kv_cache.view(kv_cache.shape[0], HKV, 2 * BS, D).chunk(2, dim=2)
+    kernel_out = torch.zeros(query.shape[0], HQ * D, dtype=dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=kernel_out, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=SCALE, causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
+        softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+    from vllm_treespec.attn.plan import build_plan
+
+    plan = build_plan(batch, block_table, BS)
+    out = torch.full_like(kernel_out, float("nan"))
+    cpu_fast.attend(plan, query, kv_cache, out, SCALE, HQ, D, "vec", fast)
+    rows = slice(3, None)
+    assert torch.equal(out[rows], kernel_out[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_path_matches_reference_and_torch_path_on_trees(dtype):
+    from vllm_treespec.attn import cpu_fast, cpu_kernel
+    from vllm_treespec.attn.cpu import tree_attention_cpu
+    from vllm_treespec.attn.plan import build_plan
+
+    rng = np.random.default_rng(3)
+    tile = cpu_kernel.kv_tile_length(34, HQ // HKV, D, torch.tensor([], dtype=dtype).element_size(), "vec")
+    contexts = [0, 5, 127, 300, tile + 77]
+    trees = [random_tree(rng, n) for n in (3, 1, 12, 33, 16)]
+    kv_cache, block_table, query, batch, raw = _batch(dtype, contexts, trees, seed=1)
+    plan = build_plan(batch, block_table, BS)
+    fast_out = torch.full((query.shape[0], HQ * D), float("nan"), dtype=dtype)
+    cpu_fast.attend(plan, query, kv_cache, fast_out, SCALE, HQ, D, "vec", _fast(dtype))
+    torch_out = torch.full_like(fast_out, float("nan"))
+    tree_attention_cpu(plan, query, kv_cache, torch_out, SCALE, HQ, D)
+    reference = _reference(query, raw, batch, contexts, trees)
+    # fp32: both paths within float rounding of float64. bf16: inputs are the same bf16 values, accumulation is fp32,
+    # so the error is the output's own rounding (<= 1 bf16 ulp = 2^-8 relative) plus fp32 noise.
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -8)
+    for r, t in enumerate(trees):
+        rows = slice(int(batch.query_start[r]), int(batch.query_start[r]) + t.num_nodes + 1)
+        got = fast_out[rows].view(-1, HQ, D).double()
+        torch.testing.assert_close(got, reference[r], **tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, torch_out[rows].view(-1, HQ, D).double(), atol=2e-6, rtol=2e-6)
+    assert fast_out[:3].isnan().all()  # rows of other requests are left alone
+
+
+def test_fast_path_compiles_once_for_both_query_layouts():
+    """A contiguous query (some models) goes through the same kernel as the engine's strided one."""
+    from vllm_treespec.attn import cpu_fast
+    from vllm_treespec.attn.plan import build_plan
+
+    rng = np.random.default_rng(5)
+    trees = [random_tree(rng, 7)]
+    outs = []
+    for strided in (True, False):
+        kv_cache, block_table, query, batch, _ = _batch(torch.float32, [50], trees, seed=2, query_stride_pad=strided)
+        out = torch.zeros(query.shape[0], HQ * D)
+        cpu_fast.attend(build_plan(batch, block_table, BS), query, kv_cache, out, SCALE, HQ, D, "vec",
+                        _fast(torch.float32))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype, isa, reason", [(torch.float16, "vec", "float16"), (torch.float32, "amx", "'amx'")])
+def test_unreadable_layout_falls_back_to_torch_path_with_one_log_line(dtype, isa, reason):
+    from vllm_treespec.attn import cpu_fast
+    from vllm_treespec.attn.cpu import tree_attention_cpu, tree_rows
+    from vllm_treespec.attn.plan import build_plan
+
+    cpu_fast._decisions.pop((isa, dtype, BS, D, HKV, HQ, torch.get_num_threads()), None)
+    rng = np.random.default_rng(4)
+    contexts = [20, 140]
+    trees = [random_tree(rng, n) for n in (6, 11)]
+    kv_cache, block_table, query, batch, raw = _batch(dtype, contexts, trees, seed=3)
+    plan = build_plan(batch, block_table, BS)
+    out = torch.zeros(query.shape[0], HQ * D, dtype=dtype)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.treespec")
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):  # three layers of the same geometry
+            tree_rows(plan, query, kv_cache, out, SCALE, HQ, D, isa)
+    finally:
+        logger.removeHandler(handler)
+    lines = [rec.getMessage() for rec in records if "torch path" in rec.getMessage()]
+    assert len(lines) == 1 and reason in lines[0]
+    expected = torch.zeros_like(out)
+    tree_attention_cpu(plan, query, kv_cache, expected, SCALE, HQ, D)
+    assert torch.equal(out, expected)
+    reference = _reference(query, raw, batch, contexts, trees)
+    for r, t in enumerate(trees):
+        rows = slice(int(batch.query_start[r]), int(batch.query_start[r]) + t.num_nodes + 1)
+        torch.testing.assert_close(out[rows].view(-1, HQ, D).double(), reference[r], atol=2e-2, rtol=2e-2)
