@@ -1,0 +1,333 @@
+"""Tree rows vs chain rows on CPU (issue 20): fidelity, kernel time, and engine step time, in one run.
+
+1. Fidelity (no engine): chain-shaped trees through the fast tree path and through the torch path, against vLLM's own
+   CPU attention kernel on the same cache (max |diff| and how many outputs differ), fp32 and bf16; and random trees
+   against the float64 reference.
+2. Kernel (no engine): one layer's tree rows through the fast path vs the same rows as chains through vLLM's kernel
+   (SmolLM2-135M's heads), median of alternating repeats.
+3. Engine: the embedded SmolLM2-135M, one engine per dtype with ``num_speculative_tokens`` = the largest k; each step
+   drafts k nodes per request, as a random tree (verified by vllm_treespec) or as a k-token chain (verified by vLLM's
+   own path), switched between runs by RPC. Draft tokens are rare vocabulary ids that greedy decoding never accepts,
+   so both modes commit one token per request per step and see the same contexts. Step time = wall time between the
+   engine's outputs, prefill step excluded; runs alternate tree/chain/chain/tree. Tree attention = time in the tree
+   rows (``attn.cpu.stats``) per step.
+
+    .venv/bin/python scripts/bench_tree_rows.py [--dtypes float32 bfloat16] [--batches 1 8] [--nodes 4 8 16 32]
+        [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity]
+
+Goals (issue 20): tree step <= 1.05 x chain step for every k, batch and dtype; tree attention <= 5% of the worker at
+16 nodes, fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "helpers"))
+sys.path.insert(0, HERE)
+
+from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer  # noqa: E402
+
+HQ, HKV, D, BS = 9, 3, 64, 128  # SmolLM2-135M's attention geometry and vLLM's CPU block size
+_DRAFT = {"mode": "tree", "k": 4}  # set in the worker by set_draft()
+
+
+# --- worker side (imported by dotted path in vLLM's worker process) ------------------------------------------------
+class SwitchProposer(TreeProposer):
+    """k draft nodes per request per step, as a random tree or as a chain (``_DRAFT``); tokens never accepted."""
+
+    def __init__(self, vllm_config=None, options=None) -> None:
+        super().__init__(vllm_config, options)
+        self.rng = np.random.default_rng(0)
+        vocab = vllm_config.model_config.get_vocab_size() if vllm_config is not None else 49152
+        self.rare = np.arange(vocab - 8000, vocab - 16)
+
+    def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        k = _DRAFT["k"]
+        trees = []
+        for i in range(ctx.num_reqs):
+            if not ctx.needs_draft(i):
+                trees.append(None)
+                continue
+            tokens = self.rng.choice(self.rare, size=k)
+            if _DRAFT["mode"] == "chain":
+                trees.append(DraftTree.chain(tokens))
+                continue
+            while True:
+                parents = np.array([-1] + [int(self.rng.integers(-1, j)) for j in range(1, k)], np.int32)
+                tree = DraftTree(tokens, parents)
+                if not tree.is_chain():
+                    break
+            trees.append(tree.breadth_first())
+        return trees
+
+
+def set_draft(worker, mode: str, k: int) -> None:
+    _DRAFT["mode"] = mode
+    _DRAFT["k"] = k
+
+
+def worker_pid(worker) -> int:
+    return os.getpid()
+
+
+def attention_stats(worker) -> dict:
+    from vllm_treespec.attn import cpu
+    from vllm_treespec.verify import verifier_report
+
+    stats = dict(cpu.stats)
+    stats["verifier_seconds"] = sum(verifier_report(worker).get("seconds", {}).values())
+    return stats
+
+
+# --- 1. fidelity ----------------------------------------------------------------------------------------------------
+def fidelity() -> None:
+    import torch
+    from vllm import _custom_ops as ops
+
+    from vllm_treespec.attn import cpu_fast, cpu_kernel, layout
+    from vllm_treespec.attn.cpu import tree_attention_cpu
+    from vllm_treespec.attn.plan import build_plan
+    from vllm_treespec.attn.reference import reference_tree_attention
+    from vllm_treespec.tree import TreeBatch
+
+    print(f"== fidelity: chains through the tree paths vs vLLM's kernel (torch threads: {torch.get_num_threads()}; "
+          f"expected build profile avx512={cpu_fast.expected_profile()[0]} rne={cpu_fast.expected_profile()[1]})")
+    rng = np.random.default_rng(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        elem = torch.tensor([], dtype=dtype).element_size()
+        tile = cpu_kernel.kv_tile_length(17, HQ // HKV, D, elem, "vec")
+        widths = [5, 9, 17, 33, 17]
+        contexts = [40, 300, 600, 250, tile + 100]
+        lengths = [c + w for c, w in zip(contexts, widths)]
+        blocks = [-(-n // BS) for n in lengths]
+        cache = torch.zeros(sum(blocks) + 1, HKV, BS, 2 * D, dtype=dtype)
+        table = torch.zeros(len(widths), max(blocks), dtype=torch.int32)
+        order = torch.randperm(sum(blocks)) + 1
+        raws, used = [], 0
+        for r, n in enumerate(lengths):
+            table[r, :blocks[r]] = order[used:used + blocks[r]].to(torch.int32)
+            used += blocks[r]
+            pos = torch.arange(n)
+            k, v = torch.randn(n, HKV, D).to(dtype), torch.randn(n, HKV, D).to(dtype)
+            layout.write_slots(cache, table[r, pos // BS].long() * BS + pos % BS, k, v, "vec")
+            raws.append((k, v))
+        qkv = (2 * torch.randn(sum(widths), HQ + 2 * HKV, D)).to(dtype)
+        query = qkv[:, :HQ]
+        starts = np.concatenate([[0], np.cumsum(widths)])
+        scale = D ** -0.5
+        qsl = torch.tensor(starts, dtype=torch.int32)
+        seq_lens = torch.tensor(lengths, dtype=torch.int32)
+        md = ops.cpu_attn_get_scheduler_metadata(num_reqs=len(widths), num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                                                 seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl, causal=True,
+                                                 sliding_window_size=-1, isa="vec", enable_kv_split=True)
+        kc, vc = cache.view(cache.shape[0], HKV, 2 * BS, D).chunk(2, dim=2)
+        kernel = torch.empty(sum(widths), HQ * D, dtype=dtype)
+        ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=kernel, query_start_loc=qsl,
+                                        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
+                                        sliding_window=-1, block_table=table, softcap=0.0, scheduler_metadata=md,
+                                        s_aux=None)
+        chains = [DraftTree.chain(list(range(1, w))) for w in widths]
+        batch = TreeBatch.build(np.arange(len(widths)), [str(i) for i in range(len(widths))], chains, starts[:-1],
+                                np.array(contexts))
+        plan = build_plan(batch, table, BS)
+        fast = cpu_fast.decide("vec", dtype, BS, D, HKV, HQ)
+        fast_out = torch.full_like(kernel, float("nan"))
+        cpu_fast.attend(plan, query, cache, fast_out, scale, HQ, D, "vec", fast)
+        torch_out = torch.full_like(kernel, float("nan"))
+        tree_attention_cpu(plan, query, cache, torch_out, scale, HQ, D)
+        for name, out in (("fast path", fast_out), ("torch path", torch_out)):
+            diff = (out.float() - kernel.float()).abs()
+            print(f"  {str(dtype):15s} {name:10s}: max |diff| {diff.max().item():.3g}, "
+                  f"{int((out != kernel).sum())} of {out.numel()} outputs differ")
+        # Random trees vs float64 (same contexts, same cache).
+        worst = 0.0
+        trees = [DraftTree(np.arange(1, w), np.array([-1] + [int(rng.integers(-1, j)) for j in range(1, w - 1)]))
+                 for w in widths]
+        batch = TreeBatch.build(np.arange(len(widths)), [str(i) for i in range(len(widths))], trees, starts[:-1],
+                                np.array(contexts))
+        out = torch.full_like(kernel, float("nan"))
+        cpu_fast.attend(build_plan(batch, table, BS), query, cache, out, scale, HQ, D, "vec", fast)
+        for r, (c, t) in enumerate(zip(contexts, trees)):
+            k, v = raws[r]
+            ref = reference_tree_attention(query[starts[r]:starts[r + 1]], k[:c], v[:c], k[c:], v[c:], t.parents,
+                                           scale)
+            got = out[starts[r]:starts[r + 1]].view(-1, HQ, D).double()
+            worst = max(worst, float((got - ref).abs().max()))
+        print(f"  {str(dtype):15s} fast path on random trees vs float64: max |diff| {worst:.3g}")
+
+
+# --- 2. kernel time -------------------------------------------------------------------------------------------------
+def kernel_times(nodes: list[int], batches: list[int], dtypes: list[str], context: int = 400) -> None:
+    import torch
+    from vllm import _custom_ops as ops
+
+    from vllm_treespec.attn import cpu_fast, layout
+    from vllm_treespec.attn.plan import build_plan
+    from vllm_treespec.tree import TreeBatch
+
+    print(f"== kernel: one layer, {HQ} query / {HKV} KV heads x {D}, contexts ~{context}; tree rows through the fast "
+          f"path vs the same rows as chains through vLLM's kernel (us, median of alternating repeats)")
+    rng = np.random.default_rng(1)
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        fast = cpu_fast.decide("vec", dtype, BS, D, HKV, HQ)
+        for b in batches:
+            for k in nodes:
+                w = k + 1
+                contexts = [context + 17 * i for i in range(b)]
+                lengths = [c + w for c in contexts]
+                blocks = [-(-n // BS) for n in lengths]
+                cache = torch.randn(sum(blocks) + 1, HKV, BS, 2 * D).to(dtype)
+                table = torch.zeros(b, max(blocks), dtype=torch.int32)
+                order = torch.randperm(sum(blocks)) + 1
+                used = 0
+                for r in range(b):
+                    table[r, :blocks[r]] = order[used:used + blocks[r]].to(torch.int32)
+                    used += blocks[r]
+                query = (torch.randn(b * w, HQ + 2 * HKV, D)).to(dtype)[:, :HQ]
+                qsl = torch.arange(b + 1, dtype=torch.int32) * w
+                seq_lens = torch.tensor(lengths, dtype=torch.int32)
+                md = ops.cpu_attn_get_scheduler_metadata(num_reqs=b, num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                                                         seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl,
+                                                         causal=True, sliding_window_size=-1, isa="vec",
+                                                         enable_kv_split=True)
+                kc, vc = cache.view(cache.shape[0], HKV, 2 * BS, D).chunk(2, dim=2)
+                out = torch.empty(b * w, HQ * D, dtype=dtype)
+                trees = []
+                for _ in range(b):
+                    parents = np.array([-1] + [int(rng.integers(-1, j)) for j in range(1, k)], np.int32)
+                    trees.append(DraftTree(np.arange(k), parents).breadth_first())
+                batch = TreeBatch.build(np.arange(b), [str(i) for i in range(b)], trees, qsl[:-1].numpy(),
+                                        np.array(contexts))
+                plan = build_plan(batch, table, BS)
+
+                def chain():
+                    ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out,
+                                                    query_start_loc=qsl, seq_lens=seq_lens, scale=0.125, causal=True,
+                                                    alibi_slopes=None, sliding_window=-1, block_table=table,
+                                                    softcap=0.0, scheduler_metadata=md, s_aux=None)
+
+                def tree():
+                    cpu_fast.attend(plan, query, cache, out, 0.125, HQ, D, "vec", fast)
+
+                times = {"chain": [], "tree": []}
+                for rep in range(7):
+                    for name in (("chain", "tree") if rep % 2 == 0 else ("tree", "chain")):
+                        fn = chain if name == "chain" else tree
+                        fn()
+                        started = time.perf_counter()
+                        for _ in range(20):
+                            fn()
+                        times[name].append((time.perf_counter() - started) / 20 * 1e6)
+                c, t = statistics.median(times["chain"]), statistics.median(times["tree"])
+                print(f"  {dtype_name:8s} batch {b} k={k:2d}: chain rows (vLLM kernel) {c:8.1f} us   "
+                      f"tree rows (fast path) {t:8.1f} us   ratio {t / c:.2f}")
+
+
+# --- 3. engine ------------------------------------------------------------------------------------------------------
+def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps: int, repeats: int) -> None:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships functions by pickle
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
+    from engine_helpers import chat_prompts, close, make_llm
+    from vllm import SamplingParams
+
+    import bench_tree_rows as worker_side  # this file, as the worker imports it
+    from vllm_treespec.tools.models import ensure_smollm2
+
+    model = str(ensure_smollm2())
+    prompts = chat_prompts(model, limit_mt=max(batches), limit_he=0)
+    rows = []
+    for dtype in dtypes:
+        # vLLM's multiprocess engine: its CPU worker binds its OpenMP threads (here: one core, one kept for the
+        # scheduler), as served; an in-process engine would run on this process's threads.
+        llm = make_llm(model, {"method": "bench_tree_rows.SwitchProposer", "num_speculative_tokens": max(nodes)},
+                       in_process=False, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=8192)
+        try:
+            engine = llm.llm_engine
+            counter = [0]
+
+            def run(mode: str, k: int, b: int) -> tuple[float, float, float, float]:
+                llm.collective_rpc(worker_side.set_draft, args=(mode, k))
+                before = llm.collective_rpc(worker_side.attention_stats)[0]
+                params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+                for prompt in prompts[:b]:
+                    counter[0] += 1
+                    engine.add_request(f"r{counter[0]}", prompt, params)
+                stamps = []
+                while engine.has_unfinished_requests():
+                    if engine.step():
+                        stamps.append(time.perf_counter())
+                after = llm.collective_rpc(worker_side.attention_stats)[0]
+                measured = len(stamps) - 1  # from the end of the prefill step on
+                step = (stamps[-1] - stamps[0]) / measured
+                tree = (after["tree_seconds"] - before["tree_seconds"]) / measured
+                kernel = (after["kernel_seconds"] - before["kernel_seconds"]) / measured
+                verifier = (after["verifier_seconds"] - before["verifier_seconds"]) / measured
+                return step, tree, kernel, verifier
+
+            for b in sorted(set([1, max(batches)])):  # warm-up: compiles, caches, the largest batch's buffers
+                run("tree", max(nodes), b)
+                run("chain", max(nodes), b)
+            for b in batches:
+                for k in nodes:
+                    got = {"tree": [], "chain": []}
+                    attention = {"tree": [], "chain": []}
+                    tree_attn, verifier_time = [], []
+                    for rep in range(repeats):
+                        for mode in (("tree", "chain") if rep % 2 == 0 else ("chain", "tree")):
+                            step, tree, kernel, verifier = run(mode, k, b)
+                            got[mode].append(step)
+                            attention[mode].append(tree + kernel)
+                            if mode == "tree":
+                                tree_attn.append(tree)
+                                verifier_time.append(verifier)
+                    t, c = statistics.median(got["tree"]), statistics.median(got["chain"])
+                    a = statistics.median(tree_attn)
+                    at, ac = statistics.median(attention["tree"]), statistics.median(attention["chain"])
+                    v = statistics.median(verifier_time)
+                    rows.append((dtype, b, k, c, t, a))
+                    print(f"  {dtype:8s} batch {b} k={k:2d}: chain {c * 1e3:7.1f} ms  tree {t * 1e3:7.1f} ms  "
+                          f"ratio {t / c:.3f} | tree rows {a * 1e3:6.2f} ms/step = {a / t:5.2%} of the step | "
+                          f"attention {ac * 1e3:6.2f} ms chain, {at * 1e3:6.2f} ms tree | verifier "
+                          f"{v * 1e3:5.2f} ms | runs {' '.join(f'{x * 1e3:.1f}' for x in got['chain'])} / "
+                          f"{' '.join(f'{x * 1e3:.1f}' for x in got['tree'])}", flush=True)
+        finally:
+            close(llm)
+    print("== engine summary (tree step / chain step; goal <= 1.05): " + ", ".join(
+        f"{d} b{b} k{k}: {t / c:.3f}" for d, b, k, c, t, _ in rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--nodes", nargs="+", type=int, default=[4, 8, 16, 32])
+    parser.add_argument("--steps", type=int, default=24, help="measured steps per run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode and configuration (alternating)")
+    parser.add_argument("--skip-fidelity", action="store_true")
+    parser.add_argument("--skip-kernel", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    if not args.skip_fidelity or not args.skip_kernel:
+        torch._C.set_num_threads(1)  # as vLLM's CPU worker here
+    if not args.skip_fidelity:
+        fidelity()
+    if not args.skip_kernel:
+        kernel_times(args.nodes, args.batches, args.dtypes)
+    if not args.skip_engine:
+        print(f"== engine: SmolLM2-135M, {args.steps} steps per run, {args.repeats} runs per mode, alternating")
+        engine_times(args.nodes, args.batches, args.dtypes, args.steps, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
