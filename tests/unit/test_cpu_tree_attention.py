@@ -161,13 +161,20 @@ def test_fast_path_compiles_once_for_both_query_layouts():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("dtype, isa, reason", [(torch.float16, "vec", "float16"), (torch.float32, "amx", "'amx'")])
-def test_unreadable_layout_falls_back_to_torch_path_with_one_log_line(dtype, isa, reason):
+@pytest.mark.parametrize("dtype, isa, forced, reason", [
+    (torch.float16, "vec", False, "float16"),
+    (torch.float32, "amx", False, "'amx'"),
+    (torch.float32, "vec", True, "VLLM_TREESPEC_CPU_TREE_PATH=torch"),
+])
+def test_unreadable_layout_falls_back_to_torch_path_with_one_log_line(dtype, isa, forced, reason, monkeypatch):
     from vllm_treespec.attn import cpu_fast
     from vllm_treespec.attn.cpu import tree_attention_cpu, tree_rows
     from vllm_treespec.attn.plan import build_plan
 
-    cpu_fast._decisions.pop((isa, dtype, BS, D, HKV, HQ, torch.get_num_threads()), None)
+    key = (isa, dtype, BS, D, HKV, HQ, torch.get_num_threads())
+    saved = cpu_fast._decisions.pop(key, None)
+    if forced:
+        monkeypatch.setenv(cpu_fast.FORCE_PATH_ENV, "torch")
     rng = np.random.default_rng(4)
     contexts = [20, 140]
     trees = [random_tree(rng, n) for n in (6, 11)]
@@ -184,6 +191,9 @@ def test_unreadable_layout_falls_back_to_torch_path_with_one_log_line(dtype, isa
             tree_rows(plan, query, kv_cache, out, SCALE, HQ, D, isa)
     finally:
         logger.removeHandler(handler)
+        cpu_fast._decisions.pop(key, None)
+        if saved is not None:
+            cpu_fast._decisions[key] = saved
     lines = [rec.getMessage() for rec in records if "torch path" in rec.getMessage()]
     assert len(lines) == 1 and reason in lines[0]
     expected = torch.zeros_like(out)

@@ -17,6 +17,7 @@ with one log line per geometry.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,8 @@ FAST_DTYPES = (torch.float32, torch.bfloat16)
 # Largest |fast - vLLM| accepted when no profile is bit-exact: a few ulps of the output dtype around outputs of ~1.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 PROFILES = ((True, True), (True, False), (False, False))  # (avx512, rne)
+# "torch": every layer takes the torch path (A/B comparisons, debugging).
+FORCE_PATH_ENV = "VLLM_TREESPEC_CPU_TREE_PATH"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ def decide(isa: str, dtype: torch.dtype, block_size: int, head_size: int, num_kv
 
 def _check(isa: str, dtype: torch.dtype, block_size: int, head_size: int, num_kv_heads: int,
            num_heads: int) -> tuple[FastPath | None, str]:
+    if os.environ.get(FORCE_PATH_ENV) == "torch":
+        return None, f"{FORCE_PATH_ENV}=torch"
     if dtype not in FAST_DTYPES:
         return None, f"the fast path reads float32 and bfloat16 caches, not {dtype}"
     if isa not in layout.VEC_LAYOUT_ISAS:
