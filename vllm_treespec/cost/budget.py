@@ -1,10 +1,13 @@
 """The engine side of the cost-aware budget, ready for the verifier to hold: one :class:`StepBudget` per runner.
 
-    budget = StepBudget.for_runner(runner, max_nodes)        # at start-up: cached curve, or a fresh sweep
+    budget = StepBudget.for_runner(runner, max_nodes)        # between steps: cached curve, or a fresh sweep
     if budget.should_draft(num_reqs): trees = proposer.propose_trees(ctx)   # drafter gate (optional)
     trees = budget.admit(trees, num_reqs)                     # after propose_trees: trees with node_probs are trimmed
     budget.step_started(num_tokens, num_reqs) ... budget.step_finished()   # around the forward: online refinement
 
+The verifier (:mod:`vllm_treespec.verify.verifier`) calls :meth:`StepBudget.admit` after ``propose_trees`` and
+times each forward (``attach`` to ``sample``, CPU only) once ``verifier.budget`` is set, which
+:func:`install_budget` does through ``LLM.collective_rpc``; engines do not install one by themselves yet.
 Trees without ``node_probs`` pass through untouched, so proposers that do not score their nodes keep today's
 behaviour. Measuring or loading the curve never stops the engine: on any failure :meth:`StepBudget.for_runner` logs
 one line and returns None (no budget: trees as proposed).
@@ -88,3 +91,24 @@ class StepBudget:
         if num_tokens > 0 and num_reqs > 0:
             self.cost.observe(num_tokens, num_reqs, time.perf_counter() - started)
             self.stats["observed_steps"] += 1
+
+
+def install_budget(worker: Any, refresh: bool = False, **options: Any) -> dict[str, Any]:
+    """For ``LLM.collective_rpc`` (it runs between engine steps, so the sweep's dummy steps cannot disturb a real
+    one): give this worker's tree verifier a :class:`StepBudget` from the cached curve or a fresh sweep. Returns
+    what was installed."""
+    verifier = getattr(worker.model_runner, "_treespec_verifier", None)
+    if verifier is None:
+        return {"installed": False, "reason": "no tree verifier on this worker"}
+    budget = StepBudget.for_runner(worker.model_runner, verifier.max_nodes, refresh=refresh, **options)
+    verifier.budget = budget
+    return {"installed": budget is not None}
+
+
+def budget_report(worker: Any) -> dict[str, Any]:
+    """For ``LLM.collective_rpc``: the installed budget's counters and learnt corrections (empty without one)."""
+    verifier = getattr(worker.model_runner, "_treespec_verifier", None)
+    budget = getattr(verifier, "budget", None)
+    if budget is None:
+        return {}
+    return {**budget.stats, "corrections": budget.cost.correction.buckets}

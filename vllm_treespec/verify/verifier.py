@@ -58,6 +58,9 @@ class TreeVerifier:
         self.stats = {"tree_steps": 0, "tree_rows": 0, "accepted": 0}
         self.last_moves: tuple[np.ndarray, np.ndarray] | None = None
         self._layers: list[Any] | None = None
+        #: a vllm_treespec.cost.budget.StepBudget once installed (cost.budget.install_budget): trims scored trees
+        #: to the nodes that pay and learns step times; None = trees run as proposed
+        self.budget: Any = None
 
     # --- support -----------------------------------------------------------------------------------------------
     def _decide_support(self) -> bool:
@@ -105,6 +108,8 @@ class TreeVerifier:
         if len(trees) != num_reqs:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
                                f"for {num_reqs} requests")
+        if self.budget is not None:
+            trees = self.budget.admit([t if ctx.needs_draft(i) else None for i, t in enumerate(trees)], num_reqs)
         drafts, self.pending = flatten_trees(ctx, trees,
                                              lambda req_id: bool(self.enabled) and self._request_can_use_tree(req_id))
         return drafts
@@ -112,6 +117,8 @@ class TreeVerifier:
     # --- hook: after _prepare_inputs -------------------------------------------------------------------------
     def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
         started = time.perf_counter()
+        if self.budget is not None:
+            self.budget.step_started(int(np.sum(num_scheduled_tokens)), len(num_scheduled_tokens))
         pending, self.pending = self.pending, {}
         self.batch = None
         plan.publish(None)
@@ -132,6 +139,8 @@ class TreeVerifier:
 
     # --- hook: around _sample -----------------------------------------------------------------------------------
     def sample(self, original, logits: torch.Tensor, spec_decode_metadata: Any):
+        if self.budget is not None and logits.device.type == "cpu":  # a CPU forward is synchronous: it ended here
+            self.budget.step_finished()
         batch, self.batch = self.batch, None
         plan.publish(None)
         if batch is None or spec_decode_metadata is None:
