@@ -3,7 +3,8 @@
 Starts an engine on the model (default: the embedded SmolLM2-135M-Instruct), runs the start-up sweep of
 :mod:`vllm_treespec.cost.measure` in its worker, fits :class:`~vllm_treespec.cost.model.StepCostModel` and prints
 tokens, requests, measured and fitted ms per step and the marginal ms per added token; writes a matplotlib plot and
-the engine's cost-model cache (what engines of the same model, dtype, device, vLLM and threads load at start-up).
+the engine's cost-model cache (what ``cost.budget.install_budget`` loads for an engine of the same model, dtype,
+device, vLLM and thread count instead of measuring again).
 ``--held-out`` also times points outside the fit grid in the same rounds and prints predicted vs measured.
 """
 
