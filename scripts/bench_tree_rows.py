@@ -12,11 +12,16 @@
    engine's outputs, prefill step excluded; runs alternate tree/chain/chain/tree. Tree attention = time in the tree
    rows (``attn.cpu.stats``) per step.
 
+4. ``--identical`` (long; off by default): bf16, batch 1, greedy: how many outputs of vLLM's ``ngram`` and of the tree
+   methods (fast path, and with ``VLLM_TREESPEC_CPU_TREE_PATH=torch`` the torch path) are token-identical to bf16
+   without speculation, on MT-Bench + HumanEval prompts.
+
     .venv/bin/python scripts/bench_tree_rows.py [--dtypes float32 bfloat16] [--batches 1 8] [--nodes 4 8 16 32]
         [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity]
+        [--identical [--identical-methods suffix_tree graft] [--mt-bench 80] [--humaneval 40] [--max-tokens 128]]
 
 Goals (issue 20): tree step <= 1.05 x chain step for every k, batch and dtype; tree attention <= 5% of the worker at
-16 nodes, fp32.
+16 nodes, fp32; bf16 identical-output counts of the tree methods within 5% of ngram's.
 """
 
 from __future__ import annotations
@@ -305,6 +310,47 @@ def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps:
         f"{d} b{b} k{k}: {t / c:.3f}" for d, b, k, c, t, _ in rows))
 
 
+# --- 4. bf16 outputs identical to no speculation ----------------------------------------------------------------------
+def identical(methods: list[str], mt_bench: int, humaneval: int, max_tokens: int) -> None:
+    from engine_helpers import chat_prompts, close, make_llm, token_ids
+    from vllm import SamplingParams
+
+    from vllm_treespec.attn.cpu_fast import FORCE_PATH_ENV
+    from vllm_treespec.tools.models import ensure_smollm2
+
+    model = str(ensure_smollm2())
+    prompts = chat_prompts(model, limit_mt=mt_bench, limit_he=humaneval)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    print(f"== identical: bf16, batch 1, {len(prompts)} prompts (MT-Bench {mt_bench} + HumanEval {humaneval}), "
+          f"{max_tokens} tokens, greedy; outputs token-identical to bf16 without speculation", flush=True)
+
+    def outputs(spec: dict | None, path: str | None = None) -> tuple[list[list[int]], float]:
+        if path is None:
+            os.environ.pop(FORCE_PATH_ENV, None)
+        else:
+            os.environ[FORCE_PATH_ENV] = path
+        llm = make_llm(model, spec, in_process=False, dtype="bfloat16", max_num_seqs=1)
+        try:
+            started = time.perf_counter()
+            got = [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+            return got, time.perf_counter() - started
+        finally:
+            close(llm)
+            os.environ.pop(FORCE_PATH_ENV, None)
+
+    reference, seconds = outputs(None)
+    print(f"  none: {seconds:.0f} s", flush=True)
+    runs = [("ngram (vLLM)", {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                              "prompt_lookup_min": 1}, None)]
+    for method in methods:
+        spec = {"method": method, "num_speculative_tokens": 32}
+        runs += [(f"{method} (fast path)", spec, None), (f"{method} (torch path)", spec, "torch")]
+    for name, spec, path in runs:
+        got, seconds = outputs(spec, path)
+        same = sum(a == b for a, b in zip(got, reference))
+        print(f"  {name:26s}: {same:3d} of {len(prompts)} identical to no speculation ({seconds:.0f} s)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -315,6 +361,11 @@ def main() -> None:
     parser.add_argument("--skip-fidelity", action="store_true")
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--identical", action="store_true", help="run section 4 (long)")
+    parser.add_argument("--identical-methods", nargs="+", default=["suffix_tree", "graft"])
+    parser.add_argument("--mt-bench", type=int, default=80)
+    parser.add_argument("--humaneval", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     import torch
 
@@ -327,6 +378,8 @@ def main() -> None:
     if not args.skip_engine:
         print(f"== engine: SmolLM2-135M, {args.steps} steps per run, {args.repeats} runs per mode, alternating")
         engine_times(args.nodes, args.batches, args.dtypes, args.steps, args.repeats)
+    if args.identical:
+        identical(args.identical_methods, args.mt_bench, args.humaneval, args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,64 @@ def test_unreadable_layout_falls_back_to_torch_path_with_one_log_line(dtype, isa
     for r, t in enumerate(trees):
         rows = slice(int(batch.query_start[r]), int(batch.query_start[r]) + t.num_nodes + 1)
         torch.testing.assert_close(out[rows].view(-1, HQ, D).double(), reference[r], atol=2e-2, rtol=2e-2)
+
+
+_BUILD_CHECK = """
+import importlib, sys
+import torch
+try:
+    importlib.import_module("vllm._C_{build}")  # registers torch.ops._C from this build only
+except ImportError as exc:
+    assert "export function" in str(exc), exc
+import numpy as np
+from vllm_treespec.attn import cpu_kernel
+torch.set_num_threads(1)
+ops = torch.ops._C
+hq, hkv, d, bs, dtype = 9, 3, 64, 128, getattr(torch, "{dtype}")
+widths, contexts = [5, 17], [300, cpu_kernel.kv_tile_length(17, 3, d, dtype.itemsize, "vec") + 50]
+lengths = [c + w for c, w in zip(contexts, widths)]
+blocks = [-(-n // bs) for n in lengths]
+cache = torch.zeros(sum(blocks) + 1, hkv, bs, 2 * d, dtype=dtype)
+kc, vc = cache.view(cache.shape[0], hkv, 2 * bs, d).chunk(2, dim=2)
+table = torch.zeros(2, max(blocks), dtype=torch.int32)
+table[0, :blocks[0]] = torch.arange(1, blocks[0] + 1)
+table[1, :blocks[1]] = torch.arange(blocks[0] + 1, sum(blocks) + 1)
+g = torch.Generator().manual_seed(0)
+for r, n in enumerate(lengths):
+    pos = torch.arange(n)
+    ops.cpu_attn_reshape_and_cache(torch.randn(n, hkv, d, generator=g).to(dtype), torch.randn(n, hkv, d, generator=g)
+                                   .to(dtype), kc, vc, table[r, pos // bs].long() * bs + pos % bs, "vec", 1.0, 1.0,
+                                   "auto")
+query = (2 * torch.randn(sum(widths), hq, d, generator=g)).to(dtype)
+qsl = torch.tensor([0, widths[0], sum(widths)], dtype=torch.int32)
+seq = torch.tensor(lengths, dtype=torch.int32)
+md = ops.get_scheduler_metadata(2, hq, hkv, d, seq, dtype, qsl, True, -1, "vec", True, None, "auto")
+ref = torch.empty(sum(widths), hq * d, dtype=dtype)
+ops.cpu_attention_with_kv_cache(query, kc, vc, ref, qsl, seq, d ** -0.5, True, None, -1, table, 0.0, md, None, None,
+                                1.0, 1.0, "auto")
+anc = np.zeros((2, 17, 17), np.bool_)
+for r, w in enumerate(widths):
+    anc[r, :w, :w] = np.tril(np.ones((w, w), np.bool_))
+tiles = np.array([cpu_kernel.kv_tile_length(w, 3, d, dtype.itemsize, "vec") for w in widths], np.int64)
+out = torch.zeros_like(ref)
+view = (lambda t: t.view(torch.uint16).numpy()) if dtype == torch.bfloat16 else (lambda t: t.numpy())
+cpu_kernel.run(view(query), view(cache.view(cache.shape[0], hkv, -1)), view(out.view(-1, hq, d)),
+               np.array([0, widths[0]]), np.array(widths), np.array(contexts), table.numpy(), anc, tiles, d ** -0.5,
+               bs, {avx512}, {rne})
+print("EQUAL" if torch.equal(out, ref) else "DIFFER %g" % (out.float() - ref.float()).abs().max())
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("build, avx512, rne", [("AVX2", False, False), ("AVX512", True, False)])
+def test_profiles_match_the_other_vllm_builds(build, avx512, rne, dtype):
+    """vLLM ships three x86 builds; the one this CPU loads is checked above. The others load in a fresh process (each
+    registers the same ops) and must equal the fast path's profile for them, bit for bit."""
+    import subprocess
+    import sys
+
+    if build == "AVX512" and not torch.cpu._is_avx512_supported():
+        pytest.skip("this CPU cannot run vLLM's AVX-512 build")
+    code = _BUILD_CHECK.format(build=build, dtype=dtype, avx512=avx512, rne=rne)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.stdout.strip().endswith("EQUAL"), result.stdout[-2000:] + result.stderr[-3000:]

@@ -3,7 +3,7 @@
 One call per layer computes every tree row of the step (root and nodes) straight from the cache blocks: committed
 context plus the row's ancestors, nothing else. The arithmetic is that of vLLM's C++ CPU attention
 (``csrc/cpu/cpu_attn_impl.hpp``, VEC layout) operation for operation, so that on a chain-shaped tree the result is
-the kernel's own, bit for bit (checked against the installed kernel by :mod:`vllm_treespec.attn.fast`):
+the kernel's own, bit for bit (checked against the installed kernel by :mod:`vllm_treespec.attn.cpu_fast`):
 
 * Q is widened to fp32 and multiplied by the fp32 softmax scale;
 * each logit is a sequential fp32 sum over the head dimension, starting from 0;
@@ -22,14 +22,15 @@ vLLM ships three x86 builds whose arithmetic differs; :func:`run` takes the one 
 
 Non-ancestor tree positions get -inf logits, i.e. exact-zero weights. bf16 values travel as their uint16 bits. Four
 query vectors of one KV head (tree rows x the query heads of its group) go through the cache together, so that each
-K or V element loaded serves four dot products; the innermost loops index with unsigned integers, which lets LLVM
-vectorize them (numba's negative-index handling of signed indices does not).
+K or V element loaded serves four dot products. The hot loops (both products, the tile max, the exponentials and
+their lane sums) are LLVM IR with 16-lane vectors, emitted through numba intrinsics; the rest is plain numba. The
+kernel runs on one thread (vLLM's CPU worker here has one; with several, vLLM's kernel spreads its rows over them and
+this one does not).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 from llvmlite import ir
