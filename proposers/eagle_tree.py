@@ -23,32 +23,32 @@ import msgspec
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, device_kind
-
-#: where ``vllm-treespec train-eagle`` writes the head for the embedded SmolLM2 model by default
-DEFAULT_HEAD_NAME = "eagle3-smollm2-135m"
+from vllm_treespec.eagle.target import check_head_target, served_identity
 
 
 def default_head_path() -> Path:
-    from vllm_treespec.settings import default_cache_dir
+    """The default EAGLE-3 head for the embedded SmolLM2 model: the one trained into the cache folder, else the one
+    shipped with the package; where ``vllm-treespec train-eagle`` would write it when there is neither."""
+    from vllm_treespec.eagle.default_head import find_default_head, trained_head_path
 
-    return default_cache_dir() / DEFAULT_HEAD_NAME
+    return find_default_head() or trained_head_path()
 
 
 def default_kv_head_path(mode: str) -> Path:
-    """Where ``vllm-treespec train-eagle --mode MODE`` writes the KV-aware head for the embedded model by default
-    (mode "hidden" is the EAGLE-3 head)."""
+    """The default head of ``mode``: the EAGLE-3 head for "hidden" (:func:`default_head_path`), else where
+    ``vllm-treespec train-eagle --mode MODE`` writes the KV-aware head for the embedded model (none is shipped)."""
     from vllm_treespec.settings import default_cache_dir
 
     return default_head_path() if mode == "hidden" else default_cache_dir() / f"kv-aware-smollm2-135m-{mode}"
 
 
 def resolve_checkpoint(value: str | None, what: str, mode: str = "hidden") -> str:
-    """``value`` or, for None / "auto", the default trained head of ``mode``; a clear error when there is none."""
+    """``value`` or, for None / "auto", the default head of ``mode``; a clear error when there is none."""
     if value in (None, "auto"):
         path = default_kv_head_path(mode)
         if not (path / "config.json").is_file():
             flag = "" if mode == "hidden" else f" --mode {mode}"
-            raise ValueError(f"{what}: no checkpoint given and no trained default head at {path}; train one with "
+            raise ValueError(f"{what}: no checkpoint given and no default head at {path}; train one with "
                              f"`vllm-treespec train-eagle{flag} -o {path}` or pass a checkpoint folder")
         return str(path)
     if not (Path(value) / "config.json").is_file():
@@ -57,7 +57,8 @@ def resolve_checkpoint(value: str | None, what: str, mode: str = "hidden") -> st
 
 
 class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    #: EAGLE-3 checkpoint folder; None = the head ``vllm-treespec train-eagle`` wrote to the cache
+    #: EAGLE-3 checkpoint folder, refused at start-up if trained for another model than the served one; None = the
+    #: default head for the embedded SmolLM2 model (one trained into the cache folder, else the shipped one)
     checkpoint: str | None = None
     #: levels below the root
     depth: int = 6
@@ -104,7 +105,12 @@ class EagleTreeProposer(TreeProposer):
 
         super().__init__(vllm_config, options)
         opts: EagleTreeOptions = self.options
-        self.drafter = EagleDrafter.for_target(opts.resolved_checkpoint(), vllm_config, depth=opts.depth,
+        checkpoint = opts.resolved_checkpoint()
+        option = f"{opts.method_name()} option 'checkpoint'"
+        if opts.checkpoint in (None, "auto"):
+            option += " (not given: the default head for the embedded SmolLM2 model)"
+        check_head_target(checkpoint, served_identity(vllm_config), option)
+        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=opts.depth,
                                                top_k=opts.top_k, dtype=opts.dtype,
                                                max_cached_requests=opts.max_cached_requests)
         self.aux_hidden_state_layers = self.drafter.aux_layers

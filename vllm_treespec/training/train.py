@@ -445,12 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cpu_memory_defaults()
     if args.model == "smollm2":
-        from vllm_treespec.tools.models import ensure_smollm2
+        from vllm_treespec.tools.models import SMOLLM2_NAME, ensure_smollm2
 
-        model_dir = str(ensure_smollm2())
+        model_dir, target_name = str(ensure_smollm2()), SMOLLM2_NAME
         work = Path(args.work_dir or default_cache_dir() / "eagle-work-smollm2")
     else:
-        model_dir = args.model
+        model_dir, target_name = args.model, Path(args.model).name
         work = Path(args.work_dir or default_cache_dir() / f"eagle-work-{Path(args.model).name}")
     work.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig
@@ -489,7 +489,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} tokens",
             "aux_layers": list(aux_layers), **summary, **({} if args.stage == "export" else timings),
             "final_valid": log[-1]}
-    out = head.save(args.out, extra_config={"treespec_training": card})
+    from vllm_treespec.eagle.target import TARGET_KEY, target_record
+
+    target = target_record(AutoConfig.from_pretrained(model_dir), target_name)
+    out = head.save(args.out, extra_config={"treespec_training": card, TARGET_KEY: target})
     (Path(args.out) / "training_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     print(json.dumps(card, indent=2))
     print(f"train-eagle: wrote {out}")
