@@ -180,3 +180,24 @@ def test_bench_serve_rejects_bad_repeats(capsys):
 
     assert main(["--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_repeats_go_round_robin_and_a_failing_method_stops_alone(monkeypatch):
+    """Repeat r of every method runs before repeat r+1 of any (drift reaches all alike); a method that fails keeps
+    its message, runs no more repeats and does not stop the others."""
+    order = []
+
+    def fake_repeat(model, tokenizer, result, questions, args, repeat, progress=None):
+        order.append((repeat, result.spec.label))
+        if result.spec.label == "bad":
+            raise RuntimeError("boom")
+        result.repeats.append({"c": CategoryRun(1.0, 10)})
+
+    monkeypatch.setattr(bench, "run_repeat", fake_repeat)
+    specs = bench.parse_methods("a=suffix_tree;bad=ngram_tree;b=graft")
+    args = SimpleNamespace(repeats=2, turns=1)
+    results = bench.run_round_robin("m", None, specs, {"c": [{"turns": ["q"]}]}, args)
+    assert order == [(0, "none"), (0, "a"), (0, "bad"), (0, "b"), (1, "none"), (1, "a"), (1, "b")]
+    by = {r.spec.label: r for r in results}
+    assert by["bad"].status == "failed" and "boom" in by["bad"].reason and by["bad"].repeats == []
+    assert len(by["a"].repeats) == len(by["none"].repeats) == 2

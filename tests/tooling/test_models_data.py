@@ -352,6 +352,18 @@ def test_load_prompt_set(tmp_path):
         data.load_prompt_set("gsm8k")
 
 
+def test_load_prompt_set_slices():
+    """``NAME[START:STOP]`` picks the prompts one did not tune on: a slice of the set (of ShareGPT's shuffle)."""
+    assert data.load_prompt_set("humaneval[160:]") == data.human_eval()[160:]
+    assert data.load_prompt_set("mt_bench[:3]") == data.mt_bench()[:3]
+    assert data.load_prompt_set("sharegpt[4:7]", seed=7) == data.sharegpt(7, seed=7)[4:]
+    assert data.load_prompt_set("humaneval[10:20]", limit=2) == data.human_eval()[10:12]
+    with pytest.raises(ValueError, match=r"the slice \[5:5\] is empty"):
+        data.load_prompt_set("humaneval[5:5]")
+    with pytest.raises(ValueError, match="selects no questions"):
+        data.load_prompt_set("humaneval[900:]")
+
+
 def test_chat_prompt(tiny_tokenizer):
     text = data.chat_prompt(tiny_tokenizer, "Add 2 and 3.")
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

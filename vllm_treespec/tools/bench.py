@@ -18,7 +18,8 @@ no speculation always runs first as the baseline. Per category and overall it re
 * lossless: prompts whose greedy output is token-identical to the baseline's, every turn (temperature 0 only).
 
 Timed runs exclude a warm-up generation. With ``--repeats R`` every repeat runs on a fresh engine (so no proposer
-state, such as suffix_tree's store of finished outputs, carries over) and the median of the throughputs is reported.
+state, such as suffix_tree's store of finished outputs, carries over), the repeats go round-robin over the methods
+(so the machine's drift reaches all alike), and the median of the throughputs is reported.
 
 ``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.tools.bench_serve`).
 """
@@ -329,38 +330,67 @@ def build_llm(model: str, spec: MethodSpec, args: argparse.Namespace):
                enforce_eager=args.enforce_eager)
 
 
-def run_method(model: str, tokenizer, spec: MethodSpec, questions: dict[str, list[dict]],
-               args: argparse.Namespace) -> MethodResult:
-    from tqdm import tqdm
+def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str, list[dict]],
+               args: argparse.Namespace, repeat: int, progress=None) -> None:
+    """One timed repeat of one method on a fresh engine (so no proposer state, such as suffix_tree's store of
+    finished outputs, carries over), appended to ``result``; the first repeat's outputs are kept for the lossless
+    check."""
     from vllm import SamplingParams
 
-    result = MethodResult(spec)
+    spec = result.spec
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
+    started = time.perf_counter()
+    llm = build_llm(model, spec, args)
+    try:
+        result.engine_start_s.append(time.perf_counter() - started)
+        warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
+                                               add_generation_prompt=True)
+        llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
+                     use_tqdm=False)
+        runs: dict[str, CategoryRun] = {}
+        for category, qs in questions.items():
+            if progress is not None:
+                progress.set_postfix_str(f"{spec.label} {category}")
+            runs[category], outputs = run_category(llm, tokenizer, qs, params, args.batch_size, args.turns, progress)
+            if repeat == 0:
+                result.outputs[category] = outputs
+        result.repeats.append(runs)
+    finally:
+        del llm
+        gc.collect()
+
+
+def run_round_robin(model: str, tokenizer, specs: list[MethodSpec], questions: dict[str, list[dict]],
+                    args: argparse.Namespace) -> list[MethodResult]:
+    """Every method's repeats, interleaved: repeat r of every method runs before repeat r+1 of any, so that the
+    machine's drift over minutes reaches every method alike (the baseline first in each round). A method that
+    fails keeps its message and runs no further repeats; the others go on."""
+    from tqdm import tqdm
+
+    results = [MethodResult(spec) for spec in specs]
+    for result in results:
+        reason = unavailable_reason(result.spec)
+        if reason:
+            print(f"bench: skipping {result.spec.label}: {reason}", file=sys.stderr)
+            result.status, result.reason = "skipped", reason
+    runnable = [r for r in results if r.status == "ok"]
     per_repeat = sum(min(len(q["turns"]), args.turns) for qs in questions.values() for q in qs)
-    with tqdm(total=per_repeat * args.repeats, desc=f"{spec.label:>12}", unit="req", file=sys.stderr,
+    with tqdm(total=per_repeat * args.repeats * len(runnable), desc="bench", unit="req", file=sys.stderr,
               dynamic_ncols=True) as progress:
         for repeat in range(args.repeats):
-            started = time.perf_counter()
-            llm = build_llm(model, spec, args)
-            try:
-                result.engine_start_s.append(time.perf_counter() - started)
-                warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
-                                                       add_generation_prompt=True)
-                llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
-                             use_tqdm=False)
-                runs: dict[str, CategoryRun] = {}
-                for category, qs in questions.items():
-                    progress.set_postfix_str(category)
-                    runs[category], outputs = run_category(llm, tokenizer, qs, params, args.batch_size, args.turns,
-                                                           progress)
-                    if repeat == 0:
-                        result.outputs[category] = outputs
-                result.repeats.append(runs)
-            finally:
-                del llm
-                gc.collect()
-    return result
+            for result in runnable:
+                if result.status != "ok":
+                    continue
+                try:
+                    run_repeat(model, tokenizer, result, questions, args, repeat, progress)
+                except Exception as e:  # one broken method must not lose the others' results
+                    if result.spec.is_baseline:
+                        raise
+                    print(f"bench: {result.spec.label} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                    result.status, result.reason = "failed", f"{type(e).__name__}: {e}"
+                    result.repeats.clear()
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -523,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--prompts", default="mt_bench,humaneval",
-                        help="comma-separated prompt sets (mt_bench, humaneval, sharegpt) or question.jsonl paths")
+                        help="comma-separated prompt sets (mt_bench, humaneval, sharegpt) or question.jsonl paths; "
+                             "NAME[START:STOP] takes a slice (sharegpt: of its seeded shuffle), e.g. sharegpt[500:540]")
     parser.add_argument("--limit", type=int, default=None, help="at most N questions per category")
     parser.add_argument("--turns", type=int, default=1,
                         help="turns to play per question (MT-Bench has 2; later turns see the model's own answers)")
@@ -586,20 +617,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"bench: {sum(map(len, questions.values()))} questions in {len(questions)} categories, "
           f"methods {[s.label for s in specs]}, model {args.model} ({args.dtype})", file=sys.stderr)
 
-    results: list[MethodResult] = []
-    for spec in specs:
-        reason = unavailable_reason(spec)
-        if reason:
-            print(f"bench: skipping {spec.label}: {reason}", file=sys.stderr)
-            results.append(MethodResult(spec, status="skipped", reason=reason))
-            continue
-        try:
-            results.append(run_method(args.model, tokenizer, spec, questions, args))
-        except Exception as e:  # one broken method must not lose the others' results
-            if spec.is_baseline:
-                raise
-            print(f"bench: {spec.label} failed: {type(e).__name__}: {e}", file=sys.stderr)
-            results.append(MethodResult(spec, status="failed", reason=f"{type(e).__name__}: {e}"))
+    results = run_round_robin(args.model, tokenizer, specs, questions, args)
 
     rows = summarize(results, args.temperature)
     report = {

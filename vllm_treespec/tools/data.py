@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -170,9 +171,24 @@ def sharegpt(limit: int | None = None, seed: int | None = 0) -> list[dict]:
 PROMPT_SETS = {"mt_bench": mt_bench, "humaneval": human_eval, "sharegpt": sharegpt}
 
 
+_SLICE = re.compile(r"^(?P<name>.+)\[(?P<start>\d*):(?P<stop>\d*)\]$")
+
+
 def load_prompt_set(name: str, limit: int | None = None, seed: int | None = 0) -> list[dict]:
-    """A prompt set by name (``mt_bench``, ``humaneval``, ``sharegpt``) or a path to a ``question.jsonl`` file.
-    ``limit`` keeps the first ``limit`` questions (ShareGPT: of its seeded shuffle)."""
+    """A prompt set by name (``mt_bench``, ``humaneval``, ``sharegpt``) or a path to a ``question.jsonl`` file,
+    optionally sliced as ``NAME[START:STOP]`` (ShareGPT: a slice of its seeded shuffle), so that defaults chosen on
+    one slice can be reported on another. ``limit`` then keeps the first ``limit`` questions."""
+    sliced = _SLICE.match(name)
+    if sliced and not Path(name).is_file():
+        start, stop = (int(v) if v else None for v in sliced.group("start", "stop"))
+        if start is not None and stop is not None and stop <= start:
+            raise ValueError(f"prompt set {name!r}: the slice [{start}:{stop}] is empty; write [START:STOP] with "
+                             "START < STOP")
+        questions = load_prompt_set(sliced.group("name"), limit=stop if sliced.group("name") == "sharegpt" else None,
+                                    seed=seed)[start:stop]
+        if not questions:
+            raise ValueError(f"prompt set {name!r} selects no questions (the set has fewer than {start or 0})")
+        return questions if limit is None else questions[:limit]
     if name == "sharegpt":
         return sharegpt(limit=limit, seed=seed)
     if name in PROMPT_SETS:
@@ -180,7 +196,8 @@ def load_prompt_set(name: str, limit: int | None = None, seed: int | None = 0) -
     elif Path(name).is_file():
         questions = load_question_file(name)
     else:
-        raise ValueError(f"unknown prompt set {name!r}: expected one of {', '.join(PROMPT_SETS)} or a question file")
+        raise ValueError(f"unknown prompt set {name!r}: expected one of {', '.join(PROMPT_SETS)}, NAME[START:STOP] "
+                         "or a question file")
     return questions if limit is None else questions[:limit]
 
 
