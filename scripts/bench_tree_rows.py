@@ -53,6 +53,8 @@ class SwitchProposer(TreeProposer):
         self.rng = np.random.default_rng(0)
         vocab = vllm_config.model_config.get_vocab_size() if vllm_config is not None else 49152
         self.rare = np.arange(vocab - 8000, vocab - 16)
+        self.shapes: dict[int, list[np.ndarray]] = {}
+        self.drawn = 0
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         k = _DRAFT["k"]
@@ -64,14 +66,22 @@ class SwitchProposer(TreeProposer):
             tokens = self.rng.choice(self.rare, size=k)
             if _DRAFT["mode"] == "chain":
                 trees.append(DraftTree.chain(tokens))
-                continue
-            while True:
-                parents = np.array([-1] + [int(self.rng.integers(-1, j)) for j in range(1, k)], np.int32)
-                tree = DraftTree(tokens, parents)
-                if not tree.is_chain():
-                    break
-            trees.append(tree.breadth_first())
+            else:  # a shape drawn in advance: drawing it here would count the bench's own work in tree steps only
+                trees.append(DraftTree(tokens, self._shape(k)))
         return trees
+
+    def _shape(self, k: int) -> np.ndarray:
+        """Parents of a random breadth-first tree with k nodes that is not a chain (one of 64 drawn per k)."""
+        if k not in self.shapes:
+            shapes = []
+            while len(shapes) < 64:
+                parents = np.array([-1] + [int(self.rng.integers(-1, j)) for j in range(1, k)], np.int32)
+                tree = DraftTree(np.zeros(k, np.int64), parents)
+                if not tree.is_chain():
+                    shapes.append(tree.breadth_first().parents)
+            self.shapes[k] = shapes
+        self.drawn += 1
+        return self.shapes[k][self.drawn % 64]
 
 
 def set_draft(worker, mode: str, k: int) -> None:
