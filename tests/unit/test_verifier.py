@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm_treespec.api import DraftTree
 from vllm_treespec.attn import plan
 from vllm_treespec.tree import TreeBatch
-from vllm_treespec.verify.accept import accept, logits_rows
+from vllm_treespec.verify.accept import accept, argmax_rows, logits_rows, read_logits
 from vllm_treespec.verify.compact import accepted_moves, slots
 from vllm_treespec.verify.support import tree_unsupported_reason, unsupported_model_reason
 from vllm_treespec.verify.verifier import TreeVerifier
@@ -294,6 +294,55 @@ def test_greedy_sample_commits_the_longest_path_as_a_chain(case):
     assert result.target_logits is None
     assert verifier.stats == {"tree_steps": 1, "tree_rows": 1, "accepted": len(nodes)}
     assert verifier.batch is None and plan.current_batch() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_sample_reads_half_precision_logits(dtype):
+    targets, row_a, _, kv_moves, _ = CASES["n1 then n4"]
+    verifier = make_verifier()
+    verifier.propose([[9], [5]])
+    verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14], "b": [20, 21]}))
+    logits = one_hot_logits(targets + [20, 21, 5]).to(dtype)
+    output = verifier.sample(lambda lg, md: sampler_output(), logits, SimpleNamespace(num_draft_tokens=[5, 2]))
+    assert output.sampled_token_ids.tolist() == [row_a, [20, 21, 5, -1, -1, -1]]
+    assert verifier._layers[0].impl.moves == [kv_moves]
+
+
+def special_rows(rng: np.random.Generator, rows: int, vocab: int) -> torch.Tensor:
+    """Logits with what argmax must get right: ties, signed zeros, infinities, NaNs, rows of -inf."""
+    x = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32))
+    x[0] = x[0].round()  # ties: the first maximum wins
+    x[1, ::2], x[1, 1::2] = -0.0, 0.0  # -0 == +0: the first of either
+    x[2] = float("-inf")
+    x[3, vocab // 2], x[3, vocab - 1] = float("nan"), float("nan")  # the first NaN wins
+    x[4, 7 % vocab], x[4, max(vocab - 3, 0)] = float("inf"), float("inf")
+    x[5] = -x[5].abs() - 1
+    x[6] = float("nan")
+    x[7, :vocab // 2] = -0.0
+    x[7, vocab // 2:] = -1.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 5, 64, 200, 4099])
+def test_argmax_rows_is_torchs_argmax(dtype, vocab):
+    rng = np.random.default_rng(vocab)
+    logits = special_rows(rng, 12, vocab).to(dtype)
+    index = np.array([3, 0, 11, 1, 2, 4, 5, 6, 7, 8, 3, 9, 10], np.int64)  # any order, repeats
+    want = logits[torch.from_numpy(index)].argmax(dim=-1).numpy()
+    assert argmax_rows(logits, index).tolist() == want.tolist()
+    argmax, tree_logits = read_logits(logits, index, full=True)
+    assert argmax.tolist() == want.tolist() and tree_logits.dtype == torch.float32
+    assert read_logits(logits, index, full=False)[0].tolist() == want.tolist()
+
+
+def test_argmax_rows_of_strided_logits_takes_torchs_path():
+    logits = special_rows(np.random.default_rng(0), 12, 40)
+    columns = logits.t().contiguous().t()  # rows not contiguous
+    index = np.arange(12, dtype=np.int64)[::-1].copy()
+    assert argmax_rows(columns, index).tolist() == logits[torch.from_numpy(index)].argmax(dim=-1).tolist()
+    sliced = logits[:, 3:30]  # rows contiguous, strided between rows: read in place
+    assert argmax_rows(sliced, index).tolist() == sliced[torch.from_numpy(index)].argmax(dim=-1).tolist()
 
 
 def test_chainize_moves_hidden_rows_of_the_accepted_path():
