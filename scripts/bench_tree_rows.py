@@ -247,6 +247,18 @@ def kernel_times(nodes: list[int], batches: list[int], dtypes: list[str], contex
                       f"tree rows (fast path) {t:8.1f} us   ratio {t / c:.2f}")
 
 
+def switch_spec(k: int) -> dict:
+    """SwitchProposer's speculative config: every drafted node verified (the cost budget, where this version has one,
+    would trim or skip drafts, and this bench compares verification of the same k nodes)."""
+    spec = {"method": "bench_tree_rows.SwitchProposer", "num_speculative_tokens": k}
+    try:
+        from vllm_treespec.settings import COST_BUDGET_KEY
+    except ImportError:  # a version without the budget
+        return spec
+    spec[COST_BUDGET_KEY] = False
+    return spec
+
+
 # --- 3. engine ------------------------------------------------------------------------------------------------------
 def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps: int, repeats: int) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships functions by pickle
@@ -263,8 +275,8 @@ def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps:
     for dtype in dtypes:
         # vLLM's multiprocess engine: its CPU worker binds its OpenMP threads (here: one core, one kept for the
         # scheduler), as served; an in-process engine would run on this process's threads.
-        llm = make_llm(model, {"method": "bench_tree_rows.SwitchProposer", "num_speculative_tokens": max(nodes)},
-                       in_process=False, dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=8192)
+        llm = make_llm(model, switch_spec(max(nodes)), in_process=False, dtype=dtype, max_num_seqs=max(batches),
+                       max_num_batched_tokens=8192)
         try:
             engine = llm.llm_engine
             counter = [0]
