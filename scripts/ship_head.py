@@ -60,9 +60,10 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", nargs="?", default=None, help=f"trained head folder (default {trained_head_path()})")
+    parser.add_argument("--dest", default=None, help=f"where to copy it (default {shipped_head_path()}; tests)")
     args = parser.parse_args(argv)
     src = Path(args.src) if args.src else trained_head_path()
-    dest = shipped_head_path()
+    dest = Path(args.dest) if args.dest else shipped_head_path()
     missing = [name for name in FILES if not (src / name).is_file()]
     if missing:
         return fail(f"{src} lacks {missing}: expected a folder written by `vllm-treespec train-eagle -o {src}`")
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     print("model card facts (fill the TODOs of MODEL_CARD.md):")
     for line in card_facts(cfg):
         print(f"  {line}")
-    print(f"then: git add {dest.relative_to(Path.cwd()) if dest.is_relative_to(Path.cwd()) else dest}")
+    print(f"then: git add {dest / 'config.json'} {dest / 'model.safetensors'} {dest / 'MODEL_CARD.md'}")
     return 0
 
 

@@ -219,8 +219,9 @@ def _draft_head(model: str, out, mode: str = "hidden") -> tuple[str, bool]:
 def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
     """KV-aware trees (the hybrid head reads the target's paged KV cache every step)."""
     head, trained = _draft_head(model, tmp_path / "head", "hybrid")
+    # no floor and no step-cost budget: the full budget verified, the widest trees the head makes
     llm = make_llm(model, {"method": "kv_aware", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
-                           "top_k": 6, "min_node_confidence": 0})
+                           "top_k": 6, "min_node_confidence": 0, "cost_budget": False})
     try:
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
@@ -235,10 +236,11 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
 def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_path):
     """graft with a KV-aware head as its model drafter (the KV-only mode: no hidden states reach the head), exact."""
     head, trained = _draft_head(model, tmp_path / "head", "kv")
-    # adaptive budget off: on CPU the default budget table drafts nothing at batch >= 4, and this batch is 12; no
-    # confidence floor: the full budget verified, the widest trees the head and retrieval make
+    # adaptive budget off (no load adaptation), no confidence floor, no step-cost budget: the full budget verified,
+    # the widest trees the head and retrieval make
     llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16, "eagle_checkpoint": head,
-                           "eagle_depth": 5, "eagle_top_k": 4, "adaptive_budget": False, "min_node_confidence": 0})
+                           "eagle_depth": 5, "eagle_top_k": 4, "adaptive_budget": False, "min_node_confidence": 0,
+                           "cost_budget": False})
     try:
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
@@ -267,12 +269,30 @@ def test_graft_on_head_under_changing_load_greedy_identical(base, model, prompts
     assert counters["num_drafts"] > 0, counters
 
 
-def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
-    head, trained = _draft_head(model, tmp_path / "head")
+def shipped_head() -> str | None:
+    from vllm_treespec.eagle.default_head import is_head_folder, shipped_head_path
+
+    return str(shipped_head_path()) if is_head_folder(shipped_head_path()) else None
+
+
+def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path, monkeypatch):
+    """eagle_tree without a checkpoint runs the shipped head (an empty cache folder: no trained head shadows it); until
+    one is shipped, a head given by path (the trained one, or a random head of the right shape)."""
+    from engine_helpers import drafter_checkpoint
+
+    head, trained = shipped_head(), True
+    if head is not None:
+        monkeypatch.setenv("VLLM_TREESPEC_CACHE", str(tmp_path / "empty-cache"))
+        spec = {}
+    else:
+        head, trained = _draft_head(model, tmp_path / "head")
+        spec = {"checkpoint": head}
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the function by pickle
     # floor 0: fill the budget (the CPU default floor would verify only the likely nodes: smaller trees)
-    llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
-                           "top_k": 6, "min_node_confidence": 0})
+    llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "depth": 5, "top_k": 6,
+                           "min_node_confidence": 0, **spec})
     try:
+        assert llm.collective_rpc(drafter_checkpoint) == [head]
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
         counters = spec_counters(llm)
     finally:
@@ -283,14 +303,36 @@ def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path):
         assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5, counters  # tau > 1.5
 
 
+def test_shipped_head_in_vllm_eagle3_greedy_identical(base, model, prompts):
+    """The shipped head is a checkpoint of vLLM's own eagle3 method: it loads there, drafts chains that are
+    accepted, and the output is exact in fp32."""
+    head = shipped_head()
+    if head is None:
+        from vllm_treespec.eagle.default_head import shipped_head_path
+
+        pytest.skip(f"no shipped head yet: {shipped_head_path()} lacks model.safetensors (scripts/ship_head.py)")
+    batch = prompts[:4]
+    llm = make_llm(model, {"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    try:
+        got = token_ids(llm.generate(batch, greedy(max_tokens=16), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(batch, greedy(max_tokens=16), use_tqdm=False))
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters
+
+
 def test_retrieval_kernels_compile_at_startup_not_in_requests(base, model, prompts, monkeypatch):
     """graft compiles the retrieval store's numba kernels when the engine loads: serving requests (batch 1 and 4,
     finished outputs feeding the global store) compiles nothing more, and the output stays exact."""
     from engine_helpers import retrieval_kernel_signatures
 
+    from vllm_treespec.cost.budget import budget_report
+
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the function by pickle
     llm = make_llm(model, {"method": "graft", "num_speculative_tokens": 16})
     try:
+        assert llm.collective_rpc(budget_report)[0] != {}  # the step-cost budget was built at start-up, by default
         at_startup = llm.collective_rpc(retrieval_kernel_signatures)[0]
         assert at_startup and all(at_startup[k] > 0 for k in (
             "vllm_treespec.retrieval.sam._extend", "vllm_treespec.retrieval.sam._match_dynamic",

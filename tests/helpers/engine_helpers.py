@@ -97,6 +97,11 @@ def retrieval_kernel_signatures(worker) -> dict[str, int]:
     return kernel_signatures()
 
 
+def drafter_checkpoint(worker) -> str:
+    """For ``LLM.collective_rpc``: the head folder the worker's eagle_tree / kv_aware proposer loaded."""
+    return worker.model_runner.drafter.drafter.checkpoint
+
+
 def run_python(code: str, env_extra: dict[str, str], timeout: int = 400) -> subprocess.CompletedProcess:
     """Run ``code`` (dedented) in a fresh interpreter with extra environment variables."""
     env = dict(os.environ, **env_extra)
