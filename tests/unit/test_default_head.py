@@ -186,6 +186,14 @@ def test_eagle_tree_and_kv_aware_refuse_a_head_for_another_model(tmp_path, metho
     assert fits.drafter.checkpoint == path
 
 
+def test_eagle_tree_refuses_a_default_head_for_another_model(tmp_path, head_dirs):
+    from vllm_treespec.proposers.eagle_tree import EagleTreeOptions, EagleTreeProposer
+
+    place_head(tmp_path, head_dirs[1])
+    with pytest.raises(HeadTargetMismatch, match=r"^eagle_tree option 'checkpoint' \(not given: the default head"):
+        EagleTreeProposer(fake_vllm_config(hidden_size=576), EagleTreeOptions())
+
+
 def test_graft_refuses_a_head_path_for_another_model(tmp_path):
     from vllm_treespec.proposers.graft.drafter import EagleModelDrafter, load_model_drafter
 
