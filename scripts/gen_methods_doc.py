@@ -167,6 +167,12 @@ def shared_section() -> list[str]:
         f"| `num_speculative_tokens` | int | `{DEFAULT_NUM_SPECULATIVE_TOKENS}` | the tree node budget: draft nodes "
         f"verified per request per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} (vLLM verifies at most "
         f"{MAX_NUM_SPECULATIVE_TOKENS} drafts per step); a longer tree is cut to its first nodes |",
+        "| `cost_budget` | bool | `true` | verify only the draft nodes that pay: at start-up the engine measures (or "
+        "loads from its cache folder) what a step costs by the tokens in it, learns the host time per step, the "
+        "drafter's time per call and each source's acceptance rate while it serves, and each step admits the batch's "
+        "nodes best-first while they raise the expected tokens per second (none when nothing pays: plain decoding, "
+        "and the drafter sits out); nodes without `node_probs` are always kept. `false`: every tree verified as "
+        "proposed, up to `num_speculative_tokens` |",
         "| any other field of vLLM's `SpeculativeConfig` | | | passed to vLLM unchanged |", "",
         "Every other key is an option of the method, listed in its table. Options are checked when the config is read, "
         "before any engine starts: an unknown method, an unknown key, a wrong type or a value out of range fails with "

@@ -52,13 +52,19 @@ class DraftTree:
     token_ids: int64 [N], topological order (BFS recommended: any prefix is then a valid subtree, which keeps
         scheduler truncation safe).
     parents: int32 [N], ``parents[i] < i``; ``-1`` (ROOT) means the child of the last committed token.
-    node_probs: optional float32 [N], the drafter's probability of each node's token given its parent; used by
-        tree builders (e.g. Graft) to rank and mix sources. Verification is lossless without it.
+    node_probs: optional float32 [N], the drafter's probability of each node's token given its parent. With it, the
+        verifier calibrates each node into an acceptance probability (learned online from what the target accepts,
+        by source and raw number: :mod:`vllm_treespec.verify.calibration`) and the step budget verifies only the
+        nodes that pay (:mod:`vllm_treespec.cost`); without it the tree is verified as proposed. Verification is
+        lossless either way.
+    node_sources: optional int [N], which of the proposer's ``acceptance_sources`` scored each node (-1: none, the
+        number is used as it is); None = all from one source.
     """
 
     token_ids: np.ndarray
     parents: np.ndarray
     node_probs: np.ndarray | None = None
+    node_sources: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         tokens = np.ascontiguousarray(self.token_ids, dtype=np.int64).reshape(-1)
@@ -78,6 +84,11 @@ class DraftTree:
             if probs.shape != tokens.shape:
                 raise DraftTreeError(f"node_probs has {probs.size} entries for {tokens.size} nodes")
             object.__setattr__(self, "node_probs", probs)
+        if self.node_sources is not None:
+            sources = np.ascontiguousarray(self.node_sources, dtype=np.int32).reshape(-1)
+            if sources.shape != tokens.shape or (sources.size and sources.min() < -1):
+                raise DraftTreeError(f"node_sources needs one source id >= -1 per node, got {sources.tolist()}")
+            object.__setattr__(self, "node_sources", sources)
 
     @property
     def num_nodes(self) -> int:
@@ -105,7 +116,8 @@ class DraftTree:
     def truncate(self, n: int) -> DraftTree:
         """The first ``n`` nodes; a valid subtree because of topological order."""
         probs = None if self.node_probs is None else self.node_probs[:n]
-        return DraftTree(self.token_ids[:n], self.parents[:n], probs)
+        sources = None if self.node_sources is None else self.node_sources[:n]
+        return DraftTree(self.token_ids[:n], self.parents[:n], probs, sources)
 
     def is_chain(self) -> bool:
         return bool(np.array_equal(self.parents, np.arange(-1, self.num_nodes - 1)))
@@ -129,7 +141,8 @@ class DraftTree:
         parents = self.parents[order]
         new_parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]).astype(np.int32)
         probs = None if self.node_probs is None else self.node_probs[order]
-        return DraftTree(self.token_ids[order], new_parents, probs)
+        sources = None if self.node_sources is None else self.node_sources[order]
+        return DraftTree(self.token_ids[order], new_parents, probs, sources)
 
     @classmethod
     def from_branches(cls, branches: Sequence[Sequence[int] | np.ndarray]) -> DraftTree:
@@ -169,6 +182,11 @@ class ProposeContext:
         A partial prefill has rows but no draft to make (``needs_draft`` is False); positions computed in earlier
         steps without hidden states (prefix-cache hits) have no rows at all.
     kv_cache: read-only view of the target's KV cache, when the proposer sets ``needs_kv_cache``.
+    step_cost: the engine's measured step cost while the step budget is on (``predict(num_tokens, num_reqs)`` ->
+        seconds of a whole step; ``predict_many`` for an array of token counts), else None. The verifier already
+        verifies only the nodes that pay; a proposer uses it to decide what it would not otherwise know, e.g.
+        whether an expensive drafter is worth running (graft's head, with
+        :class:`vllm_treespec.cost.allocate.DraftGate`).
     """
 
     req_ids: list[str]
@@ -182,6 +200,7 @@ class ProposeContext:
     hidden_row_start: np.ndarray | None = None
     hidden_position_start: np.ndarray | None = None
     kv_cache: Any = None
+    step_cost: Any = None
 
     @property
     def num_reqs(self) -> int:
@@ -232,6 +251,9 @@ class TreeProposer:
     needs_kv_cache: ClassVar[bool] = False
     #: hand target logits to on_verified (costs a copy-free view; set False if unused).
     wants_target_logits: ClassVar[bool] = False
+    #: names of the sources that score nodes (``DraftTree.node_sources`` indexes them); () = one source. The
+    #: verifier learns an acceptance rate per source and raw-confidence bin for the step budget.
+    acceptance_sources: tuple[str, ...] = ()
 
     def __init__(self, vllm_config: Any = None, options: Any = None) -> None:
         self.vllm_config = vllm_config
@@ -250,6 +272,11 @@ class TreeProposer:
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         raise NotImplementedError
+
+    def use_acceptance(self, calibration: Any) -> None:
+        """Called by the verifier with the acceptance calibration it learns online for this proposer
+        (:class:`vllm_treespec.verify.calibration.AcceptanceCalibration`: ``calibration(source_id, raw)`` -> rates),
+        for proposers that rank their nodes by it (graft does)."""
 
     def on_verified(self, results: list[VerificationResult]) -> None:
         """Called after each verify step with the outcome of every tree row."""

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from vllm_treespec import api, registry
-from vllm_treespec.settings import ADDITIONAL_CONFIG_KEY
+from vllm_treespec.settings import ADDITIONAL_CONFIG_KEY, COST_BUDGET_KEY
 
 TREE_MODE_ENV = "VLLM_TREESPEC_TREE_MODE"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 32
@@ -129,8 +129,13 @@ def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | N
     cls = registry.load_proposer_class(class_path)
 
     vllm_fields = _vllm_spec_fields() - {"method", "model"}
-    ours = {k: v for k, v in spec.items() if k not in vllm_fields and k not in ("method", "model")}
+    ours = {k: v for k, v in spec.items() if k not in vllm_fields and k not in ("method", "model", COST_BUDGET_KEY)}
     options = parse_options(method, cls.options_type, ours)
+    cost_budget = spec.get(COST_BUDGET_KEY, True)
+    if not isinstance(cost_budget, bool):
+        raise TreeSpecConfigError(
+            f"speculative_config.{COST_BUDGET_KEY}={cost_budget!r}: must be true (verify the draft nodes that pay "
+            "under this engine's measured step cost, the default) or false (every tree as proposed)")
 
     n = spec.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NUM_SPECULATIVE_TOKENS:
@@ -145,6 +150,7 @@ def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | N
         "method": method,
         "class_path": class_path,
         "options": msgspec.to_builtins(options) if options is not None else None,
+        COST_BUDGET_KEY: cost_budget,
     }
     return new_spec, extra, True
 

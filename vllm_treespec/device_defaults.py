@@ -1,6 +1,11 @@
 """Defaults that depend on the device the target runs on, in one place: :func:`device_kind` names the key ("cpu" or
 "other": GPUs and other accelerators) and every table below is keyed by it. The numbers were measured on 2 CPU cores
-(SmolLM2-135M); the comments say where each comes from. An option a user sets always wins over these."""
+(SmolLM2-135M); the comments say where each comes from. An option a user sets always wins over these.
+
+They are fallbacks: an engine with its measured step-cost budget (``"cost_budget"``, on by default: vllm_treespec.cost)
+sizes trees, floors nodes and gates graft's head from its own measurements instead, and uses these tables only when
+no cost model could be built or the budget is switched off. (eagle_tree and kv_aware still apply the confidence floor
+while their head expands.)"""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ import msgspec
 
 ADDITIONAL_CONFIG_KEY = "vllm_treespec"
 CACHE_DIR_ENV = "VLLM_TREESPEC_CACHE"
+#: the shared speculative-config key that switches the measured step-cost budget (vllm_treespec.cost) off
+COST_BUDGET_KEY = "cost_budget"
 
 
 def default_cache_dir() -> Path:
@@ -23,6 +25,11 @@ def default_cache_dir() -> Path:
 def treespec_settings(vllm_config: Any) -> dict[str, Any] | None:
     extra = getattr(vllm_config, "additional_config", None) or {}
     return extra.get(ADDITIONAL_CONFIG_KEY)
+
+
+def cost_budget_enabled(vllm_config: Any) -> bool:
+    """The speculative config's ``cost_budget`` (default on): trim trees to the nodes the measured step cost pays."""
+    return bool((treespec_settings(vllm_config) or {}).get(COST_BUDGET_KEY, True))
 
 
 def options_from_vllm_config(vllm_config: Any, options_type: type[msgspec.Struct] | None) -> Any:

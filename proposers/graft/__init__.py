@@ -18,31 +18,34 @@ verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only
    Sources: a top-k successor table (Token Recycling, arXiv 2408.08696) refreshed online from the target's
    distribution at every verified row, accepted or rejected, and seeded from committed bigrams; suffix automata over
    the request's prompt + output, finished outputs and an optional corpus datastore; an n-gram index.
-4. **Calibrate.** Path confidences multiply each source's step probabilities passed through
-   :class:`AcceptanceCalibration`: the rate at which the target accepted that source's nodes of that raw confidence,
-   learned online from every verified tree (``calibrate_acceptance``). Nodes below ``min_node_confidence`` are left out.
-   Without a head, the draft source is chosen on calibrated confidences too; the pruning checkpoints compare the raw
-   numbers, which their thresholds were chosen on.
+4. **Calibrate.** Path confidences multiply each source's step probabilities passed through the verifier's
+   :class:`~vllm_treespec.verify.calibration.AcceptanceCalibration`: the rate at which the target accepted that
+   source's nodes of that raw confidence, learned online from every verified draft (``calibrate_acceptance``; graft
+   names its sources in ``acceptance_sources`` and marks each node's in ``node_sources``, and returns the raw numbers,
+   which the verifier calibrates for the step budget). Nodes below ``min_node_confidence`` are left out. Without a
+   head, the draft source is chosen on calibrated confidences too; the pruning checkpoints compare the raw numbers,
+   which their thresholds were chosen on.
 
-On CPU the model drafter drafts only while the batch has at most ``model_draft_max_batch`` requests (default 1);
-larger batches get retrieval-only trees.
-
-Budgets: ``budget`` nodes per request at batch 1 (default ``num_speculative_tokens``), fewer as the batch grows —
-from the calibration file's measured table, else ``knee_tokens / batch - 1`` (verification costs about one decode
-step up to ``knee_tokens`` tokens per forward) when ``knee_tokens`` is given or off CPU, else a table measured on CPU
-(:data:`vllm_treespec.device_defaults.DEFAULT_CPU_BUDGET_TABLE`). ``vllm-treespec graft calibrate``
-(:mod:`vllm_treespec.tools.graft_calibrate`) replays greedy outputs of the target offline to pick the thresholds and
-measures the step cost to build that table.
+Budgets and the head. Under the engine's step budget (``cost_budget``, on by default: :mod:`vllm_treespec.cost`)
+graft drafts ``budget`` nodes per request (default ``num_speculative_tokens``) with no confidence floor, the verifier
+keeps the nodes whose calibrated acceptance pays for their measured cost, and the head drafts only while a
+:class:`~vllm_treespec.cost.allocate.DraftGate` expects its trees to gain more than its measured time per step
+costs. Without a step-cost model (or with ``cost_budget`` false) the tables of
+:mod:`vllm_treespec.device_defaults` decide instead: on CPU the head drafts only while the batch has at most
+``model_draft_max_batch`` requests (default 1), and the budget shrinks as the batch grows — from the calibration
+file's measured table, else ``knee_tokens / batch - 1`` when ``knee_tokens`` is given or off CPU, else a table
+measured on CPU (:data:`vllm_treespec.device_defaults.DEFAULT_CPU_BUDGET_TABLE`). Explicit options win over both.
+``vllm-treespec graft calibrate`` (:mod:`vllm_treespec.tools.graft_calibrate`) replays greedy outputs of the target
+offline to pick the thresholds and measures the step cost to build that table.
 
 Modules: :mod:`.options` (the options), :mod:`.calibration` (the calibration file), :mod:`.budget` (the adaptive
 budget), :mod:`.drafter` (the model drafter), :mod:`.growth` (the draft, grown and pruned), :mod:`.sources` (the
-retrieval sources), :mod:`.assemble` (draft + grafts = the tree), :mod:`.acceptance` (the online acceptance
-calibration), :mod:`.proposer` (:class:`GraftProposer`).
+retrieval sources), :mod:`.assemble` (draft + grafts = the tree), :mod:`.proposer` (:class:`GraftProposer`).
 """
 
 from vllm_treespec.device_defaults import DEFAULT_CPU_BUDGET_TABLE, DEFAULT_KNEE_TOKENS, DEFAULT_MODEL_DRAFT_MAX_BATCH
+from vllm_treespec.verify.calibration import ACCEPTANCE_BINS, ACCEPTANCE_PRIOR_TRIALS, AcceptanceCalibration
 
-from .acceptance import ACCEPTANCE_BINS, ACCEPTANCE_PRIOR_TRIALS, AcceptanceCalibration
 from .assemble import AssembledTree, assemble, assemble_tree
 from .budget import BudgetCurve, budget_curve
 from .calibration import CALIBRATION_VERSION, GraftCalibration, check_checkpoints, check_thresholds, load_calibration

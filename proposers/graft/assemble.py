@@ -8,15 +8,15 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from vllm_treespec.api import DraftTree
-from vllm_treespec.proposers.graft.acceptance import AcceptanceCalibration
 from vllm_treespec.proposers.graft.growth import DraftGrowth
 from vllm_treespec.retrieval import union_trees
+from vllm_treespec.verify.calibration import AcceptanceCalibration
 
 
 class AssembledTree(NamedTuple):
     tree: DraftTree
     #: per node: the source (AcceptanceCalibration id, -1 = unknown) whose path gave its score, and that source's raw
-    #: confidence of the node given its parent
+    #: confidence of the node given its parent (what the verifier calibrates and learns from)
     sources: np.ndarray
     raw_probs: np.ndarray
 

@@ -59,19 +59,24 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
     stop_drafting_at_checkpoints: bool = True
     #: the model drafter drafts (and reads the step's rows) only while the batch has at most this many requests;
-    #: larger batches get retrieval-only trees. None = the device default (CPU 1, else no limit), or no limit when
-    #: adaptive_budget is off (no load adaptation at all)
+    #: larger batches get retrieval-only trees. None = under the step budget (``cost_budget``) the head drafts while
+    #: its trees are expected to gain more than its measured time per step costs; without one the device default
+    #: (CPU 1, else no limit), or no limit when adaptive_budget is off
     model_draft_max_batch: int | None = None
     #: nodes whose path confidence (estimated chance the target accepts the whole path) is below this are not
     #: verified, even within the budget: each verified token costs forward time, which on a compute-bound device
-    #: only a likely node pays back. 0 = fill the budget; None = the device default (CPU 0.05, else 0)
+    #: only a likely node pays back. 0 = fill the budget; None = 0 under the step budget (``cost_budget``: the
+    #: verifier keeps the nodes that pay), else the device default (CPU 0.05, else 0)
     min_node_confidence: float | None = None
     #: rank and floor nodes by their observed acceptance rate (per source and raw-confidence bin, learned online from
     #: every verification) instead of the sources' raw confidences, which are not comparable across sources
     calibrate_acceptance: bool = True
-    #: shrink the per-request budget as the batch grows
+    #: shrink the per-request budget as the batch grows (under the step budget, ``cost_budget``, the verifier's
+    #: allocation does this for every method; graft's own rule then applies only with knee_tokens or a calibration
+    #: file's table)
     adaptive_budget: bool = True
-    #: tokens per verify forward that cost about one decode step; None = calibration file, else a device default
+    #: tokens per verify forward that cost about one decode step (graft's own rule: knee_tokens / batch - 1 nodes
+    #: each); None = the step budget decides, else the calibration file's table, else a device default
     knee_tokens: int | None = None
     #: the adaptive budget never goes below this (0 = no speculation at high load)
     min_budget: int = 0

@@ -5,15 +5,17 @@ every verification (see the package docstring)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
+from vllm_treespec.cost.allocate import DraftGate
+from vllm_treespec.cost.online import CallCost
 from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, DEFAULT_MODEL_DRAFT_MAX_BATCH, device_kind
 from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
-from vllm_treespec.proposers.graft.acceptance import AcceptanceCalibration
 from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree
 from vllm_treespec.proposers.graft.budget import budget_curve
 from vllm_treespec.proposers.graft.calibration import load_calibration
@@ -23,6 +25,7 @@ from vllm_treespec.proposers.graft.growth import (DraftGrowth, draft_tree_levels
 from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, GraftOptions
 from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, RetrievalSources
 from vllm_treespec.retrieval import RetrievedTree, load_datastore
+from vllm_treespec.verify.calibration import AcceptanceCalibration
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -55,6 +58,9 @@ class GraftProposer(TreeProposer):
         self.sources = self._retrieval_sources(vllm_config, vocab_size)
         kind = device_kind(vllm_config)  # key of the per-device defaults
         self.max_budget = opts.budget or self.max_nodes or 0
+        # With the engine's step budget on (ctx.step_cost), the verifier keeps the nodes that pay and DraftGate decides
+        # whether the head drafts: graft drafts its full budget with no confidence floor. The device tables below are
+        # the fallback for engines without a step-cost model; explicit options override both.
         self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
                                     DEFAULT_MIN_NODE_CONFIDENCE[kind])
         if opts.model_draft_max_batch is not None:
@@ -62,6 +68,10 @@ class GraftProposer(TreeProposer):
         else:
             self.model_draft_max_batch = DEFAULT_MODEL_DRAFT_MAX_BATCH["other" if not opts.adaptive_budget else kind]
         self.budget_curve = budget_curve(opts, calibration, kind, self.max_budget)
+        #: graft's own budget-by-batch rule applies under a step budget too (an explicit knee or calibration table)
+        self._explicit_budget = opts.knee_tokens is not None or bool(calibration and calibration.budget_by_batch)
+        self.head_cost = CallCost()  # the head's seconds per drafting step (ingest + draft), by requests
+        self.head_gate: DraftGate | None = None
         self.drafter = drafter if drafter is not None else load_model_drafter(
             opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k)
         if self.drafter is None:
@@ -75,10 +85,20 @@ class GraftProposer(TreeProposer):
             self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
             self.needs_kv_cache = self.drafter.needs_kv_cache
         self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
-        self.calibration = (AcceptanceCalibration(list(opts.sources) + [MODEL_SOURCE]) if opts.calibrate_acceptance
-                            else None)
-        self._last_trees: dict[str, AssembledTree] = {}  # each request's last tree, to learn acceptance from
+        #: the sources node_sources names; the verifier learns their acceptance rates (use_acceptance)
+        self.acceptance_sources = (*opts.sources, MODEL_SOURCE)
+        self.calibration = AcceptanceCalibration(self.acceptance_sources) if opts.calibrate_acceptance else None
+        # without a verifier (offline replay) graft learns acceptance itself, from on_verified and its last trees
+        self._learns_acceptance = True
+        self._last_trees: dict[str, AssembledTree] = {}
         self.stats = GraftStats()
+
+    def use_acceptance(self, calibration: AcceptanceCalibration) -> None:
+        """The verifier's calibration, learned from every step's committed tokens, replaces graft's own."""
+        self._learns_acceptance = False
+        self._last_trees.clear()
+        if self.options.calibrate_acceptance:
+            self.calibration = calibration
 
     def _retrieval_sources(self, vllm_config: Any, vocab_size: int | None) -> RetrievalSources:
         opts: GraftOptions = self.options
@@ -94,27 +114,58 @@ class GraftProposer(TreeProposer):
     # --- budget ----------------------------------------------------------------------------------------------------
     def budget(self, ctx: ProposeContext) -> int:
         cap = ctx.max_nodes if ctx.max_nodes > 0 else self.max_budget
-        return min(self.budget_curve(ctx.num_reqs), cap, self.max_budget or cap)
+        by_batch = cap if ctx.step_cost is not None and not self._explicit_budget else self.budget_curve(ctx.num_reqs)
+        return min(by_batch, cap, self.max_budget or cap)
+
+    def floor(self, ctx: ProposeContext) -> float:
+        """Path confidence below which nodes are left out: the option, else none under a step budget (the verifier
+        weighs every node), else the device default."""
+        if self.options.min_node_confidence is not None or ctx.step_cost is None:
+            return self.min_node_confidence
+        return 0.0
+
+    def head_drafts(self, ctx: ProposeContext, budget: int, num_drafting: int) -> bool:
+        """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
+        beat its measured cost (``model_draft_max_batch``, if given, still caps the batch), else up to
+        ``model_draft_max_batch`` requests."""
+        if self.drafter is None or budget <= 0 or num_drafting == 0:
+            return False
+        if ctx.step_cost is None:
+            return ctx.num_reqs <= self.model_draft_max_batch
+        if self.options.model_draft_max_batch is not None and ctx.num_reqs > self.model_draft_max_batch:
+            return False
+        if self.head_gate is None:
+            self.head_gate = DraftGate(ctx.step_cost, self.head_cost)
+        self.head_gate.cost = ctx.step_cost
+        return self.head_gate.should_draft(num_drafting, budget)
 
     # --- proposing -------------------------------------------------------------------------------------------------
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
         budget = self.budget(ctx)
-        use_drafter = self.drafter is not None and budget > 0 and ctx.num_reqs <= self.model_draft_max_batch
-        if use_drafter:
-            # When the head will not draft (zero budget at high load, or a batch above model_draft_max_batch) it
-            # does not read this step's rows either: that cost 12-14% of throughput at 4-16 requests. Rows it skips
-            # stay masked out of its KV (drafts get worse after a busy spell; verification keeps them exact).
-            self.drafter.ingest(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
+        use_drafter = self.head_drafts(ctx, budget, len(rows))
+        started = time.perf_counter()
+        if use_drafter:
+            # When the head will not draft (zero budget at high load, a batch above model_draft_max_batch, or its
+            # gate) it does not read this step's rows either: that cost 12-14% of throughput at 4-16 requests. Rows
+            # it skips stay masked out of its KV (drafts get worse after a busy spell; verification keeps them exact).
+            self.drafter.ingest(ctx)
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if budget <= 0 or not rows:
             return trees
         if self.drafter is not None and not use_drafter:
             self.stats.retrieval_only_steps += 1
         model_drafts = self._model_drafts(ctx, rows, budget) if use_drafter else {}
-        for i in rows:
-            trees[i] = self._tree(ctx, i, budget, model_drafts.get(i))
+        if use_drafter:
+            self.head_cost.observe(len(rows), time.perf_counter() - started)
+        floor = self.floor(ctx)
+        assembled = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor) for i in rows}
+        if use_drafter and self.head_gate is not None:
+            self.head_gate.record([a.tree for a in assembled.values()])  # what the head's trees are worth
+        for i, a in assembled.items():
+            # the raw numbers and their sources: the verifier calibrates them (the same rates graft ranked by)
+            trees[i] = DraftTree(a.tree.token_ids, a.tree.parents, a.raw_probs.astype(np.float32), a.sources)
         return trees
 
     def _model_drafts(self, ctx: ProposeContext, rows: list[int], budget: int) -> dict[int, DraftGrowth]:
@@ -124,7 +175,8 @@ class GraftProposer(TreeProposer):
                    for i, t in self.drafter.draft(ctx, rows).items()}
         return {i: g for i, g in growths.items() if len(g)}
 
-    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None) -> DraftTree:
+    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None,
+              floor: float) -> AssembledTree:
         req_id, context = ctx.req_ids[i], ctx.committed(i)
         prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
         self.sources.observe(req_id, context)
@@ -137,20 +189,20 @@ class GraftProposer(TreeProposer):
             if len(draft):
                 self.stats.draft_source[draft_source] = self.stats.draft_source.get(draft_source, 0) + 1
         grafts = self._grafts(req_id, context, draft, found, [s for s in found if s != draft_source])
-        assembled = assemble_tree(draft, grafts, budget, self.min_node_confidence, calibration=self.calibration,
+        assembled = assemble_tree(draft, grafts, budget, floor, calibration=self.calibration,
                                   draft_source=self._source_id(draft_source))
-        tree = assembled.tree
-        if self.calibration is not None:
+        if self.calibration is not None and self._learns_acceptance:
             self._last_trees[req_id] = assembled
+        tree = assembled.tree
         self.stats.trees += 1
         self.stats.draft_nodes += len(draft)
         self.stats.grafted_nodes += tree.num_nodes - len(draft)
         self.stats.pruned += draft.pruned_at is not None
-        return tree
+        return assembled
 
     def _source_id(self, name: str) -> int:
-        """The source's id in the acceptance calibration (-1 without one)."""
-        return self.calibration.source_id(name) if self.calibration is not None else -1
+        """The source's id in ``acceptance_sources`` (and in the acceptance calibration)."""
+        return self.acceptance_sources.index(name)
 
     def _most_confident(self, found: dict[str, RetrievedTree]) -> str:
         """The source whose tree is most confident at the first checkpoint, calibrated if learned (ties: the order of
@@ -185,7 +237,7 @@ class GraftProposer(TreeProposer):
         token, row 1 + j follows node j's token, whether the node was accepted or not."""
         import torch
 
-        if self.calibration is not None:
+        if self.calibration is not None and self._learns_acceptance:
             self.calibration.observe_verified(results, self._last_trees)
         tokens, logits = [], []
         for r in results:

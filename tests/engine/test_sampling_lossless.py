@@ -87,9 +87,10 @@ def _candidate_spec(tmp_path, plain, stochastic: bool) -> dict:
 @pytest.mark.parametrize("variant", ["one-hot drafts", "stochastic drafts", "graft"])
 def test_tree_sampling_matches_plain_sampling(variant, tmp_path, tiny_model, plain):
     model, prompt, params = tiny_model, PROMPT, _params()
-    # graft's load-adaptive budget would be 0 at this batch (64): fix it so trees are drafted; no confidence floor, so
-    # the whole budget is verified (the widest trees)
-    spec = ({"method": "graft", "num_speculative_tokens": 15, "adaptive_budget": False, "min_node_confidence": 0}
+    # graft's load-adaptive budget would be 0 at this batch (64): fix it so trees are drafted; no confidence floor and
+    # no step-cost budget, so the whole budget is verified (the widest trees)
+    spec = ({"method": "graft", "num_speculative_tokens": 15, "adaptive_budget": False, "min_node_confidence": 0,
+             "cost_budget": False}
             if variant == "graft"
             else _candidate_spec(tmp_path, plain, stochastic=variant == "stochastic drafts"))
     tree = make_llm(model, spec, max_num_seqs=64, max_model_len=256)

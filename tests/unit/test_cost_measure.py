@@ -26,8 +26,22 @@ def test_rounds_are_interleaved_and_expensive_points_dropped():
     # after the warm-ups, each round times every kept point once, in a shuffled order
     rounds = calls[-9:]
     assert sorted(rounds[:3]) == sorted(rounds[3:6]) == sorted(rounds[6:]) == [(1, 1), (2, 1), (4, 1)]
-    # a point past the limit is not warmed up twice
-    assert calls.count((32, 1)) == 1 and calls.count((4, 1)) == 2 + 3
+    # a point past the limit is not warmed up twice, and larger ones with as many requests are not run at all
+    assert calls.count((16, 1)) == 1 and calls.count((32, 1)) == 0 and calls.count((4, 1)) == 2 + 3
+
+
+def test_warm_ups_stop_when_they_have_used_the_budget():
+    calls = []
+
+    def run(t, r):
+        calls.append((t, r))
+        return 0.5
+
+    samples = time_rounds(run, [(t, 1) for t in (1, 2, 3, 4, 6, 8)], repeats=1, budget_s=1.5, stop_ratio=8.0,
+                          keep=[(8, 1)])
+    # two warm-ups of 1 token and of 2 tokens use 2 s: no more warm-ups, except the kept point's
+    assert sorted(set(calls)) == [(1, 1), (2, 1), (8, 1)]
+    assert {(s.num_tokens, s.num_reqs) for s in samples} == {(8, 1), (1, 1), (2, 1)}  # 1.5 s of rounds
 
 
 def test_budget_and_kept_points():

@@ -77,3 +77,114 @@ def test_install_budget_and_report_over_collective_rpc(monkeypatch):
     assert install_budget(worker) == {"installed": True} and verifier.budget is budget
     assert budget_report(worker)["allocations"] == 0
     assert install_budget(SimpleNamespace(model_runner=SimpleNamespace()))["installed"] is False
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_host_time_is_the_cycle_less_the_forward_the_drafter_and_the_tree_work(monkeypatch):
+    """Each step costs its forward plus what the engine does around it: measured as the time between two forwards'
+    starts less the forward, the drafter's call and the verifier's tree work; the tree work is charged to steps
+    with drafts only."""
+    clock = Clock()
+    monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", clock)
+    tokens = np.arange(1, 40)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
+    for _ in range(5):
+        budget.step_started(4, 1)
+        clock.now += 0.05  # forward
+        budget.step_finished()
+        budget.tree_worked(0.004)
+        budget.drafted(1, 0.002)
+        clock.now += 0.004 + 0.002 + 0.010  # tree work, drafter, 10 ms of scheduler and sampler
+    budget.step_started(1, 1)
+    assert budget.host_seconds == pytest.approx(0.010)
+    assert budget.tree_work.seconds == pytest.approx(0.004)
+    assert budget.drafter_cost.predict(1) == pytest.approx(0.002)
+    assert budget.step_time.predict(1) == pytest.approx(0.05 + 0.010)
+    # the allocator sees the whole step: a node of path probability 0.1 pays when it adds 4 ms of tree work to a
+    # 60 ms step...
+    cheap = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.1], np.float32))
+    assert budget.admit([cheap])[0] is not None
+    # ...but not once tree work of 20 ms is charged to steps with drafts
+    for _ in range(6):
+        budget.tree_work.add(0.02)
+    assert budget.admit([cheap])[0] is None
+    # an idle engine (a gap of minutes between two forwards) is not host time
+    clock.now += 300
+    budget.step_started(1, 1)
+    assert budget.host_seconds == pytest.approx(0.010)
+
+
+def test_the_gate_skips_the_drafter_when_its_trees_do_not_pay():
+    steep = np.arange(1, 40)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(steep, 0.05 * steep)), max_nodes=8)
+    verifier = verifier_with(lambda t: 0.05 * t, {"a": SCORED})
+    verifier.budget = budget
+    verifier.propose([[9], [3], [6]])  # no history: it drafts, and learns what the trees are worth
+    calls = len(verifier.proposer.contexts)
+    drafts = [verifier.propose([[9], [3], [6]]) for _ in range(3)]
+    assert drafts == [[[], [], []]] * 3 and len(verifier.proposer.contexts) == calls  # not even called
+    assert budget.stats["skipped_drafts"] == 3
+
+
+def test_install_at_startup(monkeypatch, caplog):
+    from vllm_treespec.cost import budget as budget_module
+    from vllm_treespec.settings import ADDITIONAL_CONFIG_KEY
+
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {})
+    made = verifier.budget
+    verifier.budget = None
+    runner = verifier.runner
+    runner._treespec_verifier = verifier
+    sweeps = []
+    monkeypatch.setattr(StepBudget, "for_runner",
+                        classmethod(lambda cls, runner, max_nodes, **kw: sweeps.append(kw) or made))
+    assert budget_module.install_at_startup(runner) is made and verifier.budget is made
+    assert sweeps[0]["sweep"]["budget_s"] <= 5  # seconds, not minutes
+    # "cost_budget": false in the speculative config: no sweep, trees as proposed
+    verifier.budget = None
+    runner.vllm_config.additional_config = {ADDITIONAL_CONFIG_KEY: {"cost_budget": False}}
+    assert budget_module.install_at_startup(runner) is None and verifier.budget is None and len(sweeps) == 1
+    # a runner without a tree verifier: nothing to do
+    assert budget_module.install_at_startup(SimpleNamespace()) is None
+
+
+def test_a_failed_measurement_is_one_log_line_and_no_budget(monkeypatch, caplog):
+    import logging
+
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {})
+    verifier.budget = None
+    runner = verifier.runner
+    runner._treespec_verifier = verifier
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no dummy run on this runner")
+
+    monkeypatch.setattr("vllm_treespec.cost.measure.step_cost_model", broken)
+    from vllm_treespec.cost.budget import install_at_startup
+
+    with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
+        assert install_at_startup(runner) is None
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "no dummy run on this runner" in lines[0] and "trees run as proposed" in lines[0]
+    assert verifier.budget is None
+
+
+def test_cost_budget_key_is_checked_and_travels_to_the_workers():
+    from vllm_treespec.config import TreeSpecConfigError, translate
+    from vllm_treespec.settings import ADDITIONAL_CONFIG_KEY, cost_budget_enabled
+
+    _, extra, _ = translate({"method": "suffix_tree", "cost_budget": False}, None)
+    assert extra[ADDITIONAL_CONFIG_KEY]["cost_budget"] is False
+    assert not cost_budget_enabled(SimpleNamespace(additional_config=extra))
+    _, extra, _ = translate({"method": "suffix_tree"}, None)
+    assert cost_budget_enabled(SimpleNamespace(additional_config=extra))
+    assert cost_budget_enabled(SimpleNamespace(additional_config=None))
+    with pytest.raises(TreeSpecConfigError, match="cost_budget.*true.*false"):
+        translate({"method": "suffix_tree", "cost_budget": "off"}, None)

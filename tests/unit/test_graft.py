@@ -14,7 +14,7 @@ import pytest
 from vllm_treespec.api import DraftTree, ProposeContext, VerificationResult, load_proposer_class
 from vllm_treespec.config import TreeSpecConfigError, parse_options
 from vllm_treespec.proposers.graft import GraftOptions, GraftProposer
-from vllm_treespec.proposers.graft.acceptance import AcceptanceCalibration
+from vllm_treespec.verify.calibration import AcceptanceCalibration
 from vllm_treespec.proposers.graft.assemble import assemble, assemble_tree
 from vllm_treespec.proposers.graft.budget import BudgetCurve
 from vllm_treespec.proposers.graft.calibration import load_calibration
@@ -529,3 +529,51 @@ def test_checkpoints_reach_the_eagle_head_so_pruned_levels_are_never_drafted(tmp
     full = GraftProposer(None, GraftOptions(**opts, stop_drafting_at_checkpoints=False), vocab_size=VOCAB)
     assert full.drafter.stop_below is None
     assert GraftProposer(None, GraftOptions(**opts, prune=False), vocab_size=VOCAB).drafter.stop_below == {}
+
+
+class Linear:
+    """A step-cost stand-in: ``base + per_token * tokens`` seconds."""
+
+    def __init__(self, base, per_token):
+        self.base, self.per_token = base, per_token
+
+    def predict_many(self, num_tokens, num_reqs=1):
+        return self.base + self.per_token * np.asarray(num_tokens, np.float64)
+
+
+def test_under_a_step_budget_graft_drafts_its_full_budget_without_a_floor():
+    """The tables (CPU budget by batch, the device confidence floor) are the fallback without a cost model; under the
+    engine's step budget the verifier keeps what pays. Explicit options still win."""
+    p = GraftProposer(None, GraftOptions(budget=8), vocab_size=VOCAB)
+    ctx = make_ctx([[1, 2, 3]] * 4)
+    assert p.budget(ctx) == 0 and p.floor(ctx) == 0.05  # no cost model: the CPU table gives 4 requests nothing
+    ctx.step_cost = Linear(0.05, 0.002)
+    assert p.budget(ctx) == 8 and p.floor(ctx) == 0.0
+    explicit = GraftProposer(None, GraftOptions(budget=8, knee_tokens=16, min_node_confidence=0.2), vocab_size=VOCAB)
+    assert explicit.budget(ctx) == 3 and explicit.floor(ctx) == 0.2
+    # graft hands the verifier raw numbers with their sources, to calibrate and weigh
+    p.learn_successors(np.array([3]), np.array([[20, 21]]), np.array([[0.6, 0.3]]))
+    tree = p.propose_trees(make_ctx([[1, 2, 3]]))[0]
+    assert tree.node_sources is not None and set(tree.node_sources.tolist()) <= set(range(len(p.acceptance_sources)))
+    assert p.acceptance_sources[tree.node_sources[0]] == "successor" and tree.node_probs[0] == pytest.approx(0.6)
+
+
+def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
+    class CountingDrafter(ScriptedDrafter):
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+    pair = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+    pair.step_cost = Linear(0.05, 0.001)  # cheap tokens
+    p.propose_trees(pair)  # no history: it drafts (the CPU table would not, at batch 2), is timed, learns its worth
+    assert drafter.ingested == 1 and p.head_cost.predict(2) is not None
+    p.head_cost.observe(2, 0.001)
+    p.propose_trees(pair)
+    assert drafter.ingested == 2  # a few ms of head for ~0.9 tokens a request: it pays
+    p.head_cost.buckets = {1: 10.0}  # a head that takes 10 s a step never pays
+    p.propose_trees(pair)
+    assert drafter.ingested == 2 and p.stats.retrieval_only_steps == 1

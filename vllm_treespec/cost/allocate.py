@@ -59,7 +59,8 @@ def trim(tree: DraftTree, keep: np.ndarray) -> DraftTree:
     parents = tree.parents[keep]
     new_parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]).astype(np.int32)
     probs = None if tree.node_probs is None else tree.node_probs[keep]
-    return DraftTree(tree.token_ids[keep], new_parents, probs)
+    sources = None if tree.node_sources is None else tree.node_sources[keep]
+    return DraftTree(tree.token_ids[keep], new_parents, probs, sources)
 
 
 @dataclass
@@ -168,7 +169,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
 
 
 class DrafterCost(Protocol):
-    def predict(self, x: float) -> float: ...
+    def predict(self, x: float) -> float | None: ...
 
 
 class DraftGate:
@@ -224,7 +225,8 @@ class DraftGate:
         if self.marginal is None or self.skipped >= self.probe_every:
             self.skipped = 0
             return True
-        drafter = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else 0.0
+        # a drafter not timed yet counts as free: it drafts, and is timed
+        drafter = (self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None) or 0.0
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
         if best > plain:
             self.skipped = 0

@@ -1,42 +1,86 @@
-"""The engine side of the cost-aware budget, ready for the verifier to hold: one :class:`StepBudget` per runner.
+"""The engine side of the cost-aware budget: one :class:`StepBudget` per tree verifier, built at engine start-up.
 
-    budget = StepBudget.for_runner(runner, max_nodes)        # between steps: cached curve, or a fresh sweep
-    if budget.should_draft(num_reqs): trees = proposer.propose_trees(ctx)   # drafter gate (optional)
+    budget = StepBudget.for_runner(runner, max_nodes)        # at warm-up: cached curve, or a fresh sweep
+    if budget.should_draft(num_reqs): ...propose_trees...; budget.drafted(num_reqs, seconds)   # drafter gate
     trees = budget.admit(trees, num_reqs)                     # after propose_trees: trees with node_probs are trimmed
     budget.step_started(num_tokens, num_reqs) ... budget.step_finished()   # around the forward: online refinement
+    budget.tree_worked(seconds)                               # the verifier's own host work of a tree step
 
-The verifier (:mod:`vllm_treespec.verify.verifier`) calls :meth:`StepBudget.admit` after ``propose_trees`` and
-times each forward (``attach`` to ``sample``, CPU only) once ``verifier.budget`` is set, which
-:func:`install_budget` does through ``LLM.collective_rpc``; engines do not install one by themselves yet.
-Trees without ``node_probs`` pass through untouched, so proposers that do not score their nodes keep today's
-behaviour. Measuring or loading the curve never stops the engine: on any failure :meth:`StepBudget.for_runner` logs
+What a step costs is the forward (the measured :class:`~vllm_treespec.cost.model.StepCostModel`, refined online from
+each CPU forward's time) plus the host time outside it — scheduler, sampler, output processing — measured online as
+the time between two forwards' starts less the forward, the drafter's call and the verifier's tree work. The tree
+work is charged only to steps that verify drafts; the drafter's call only when deciding whether to draft at all.
+
+:func:`install_at_startup` runs from the worker's warm-up (:mod:`vllm_treespec.patches.cpu_worker`,
+:mod:`vllm_treespec.patches.gpu_worker`) unless the speculative config says ``"cost_budget": false``;
+:func:`install_budget` does the same later through ``LLM.collective_rpc``. Trees without ``node_probs`` pass through
+untouched. Measuring or loading the curve never stops the engine: on any failure :meth:`StepBudget.for_runner` logs
 one line and returns None (no budget: trees as proposed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+
+import numpy as np
 
 from vllm_treespec.api import DraftTree
 from vllm_treespec.cost.allocate import Allocation, DraftGate, allocate
 from vllm_treespec.cost.model import CostRecord, CurveModel, StepCostModel
+from vllm_treespec.cost.online import CallCost, RunningMedian
 
 logger = logging.getLogger("vllm.treespec")
+
+#: a gap between two forwards longer than this is the engine waiting for requests, not host work
+MAX_HOST_SECONDS = 1.0
+
+
+class StepTime:
+    """Seconds of a whole engine step: the forward (``forward``, the cost model) plus the measured host time."""
+
+    def __init__(self, forward: StepCostModel) -> None:
+        self.forward = forward
+        self.host = RunningMedian()
+
+    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1) -> np.ndarray:
+        return self.forward.predict_many(num_tokens, num_reqs) + self.host.seconds
+
+    def predict(self, num_tokens: float, num_reqs: int = 1) -> float:
+        return float(self.predict_many(num_tokens, num_reqs))
+
+
+class DrafterCost:
+    """The drafter's seconds per call: timed online (:class:`CallCost`), else a start-up probe's curve, else 0."""
+
+    def __init__(self, probed: CurveModel | None = None) -> None:
+        self.probed = probed
+        self.timed = CallCost()
+
+    def predict(self, num_reqs: float) -> float:
+        timed = self.timed.predict(num_reqs)
+        if timed is not None:
+            return timed
+        return self.probed.predict(num_reqs) if self.probed is not None else 0.0
 
 
 class StepBudget:
     def __init__(self, cost: StepCostModel, max_nodes: int, drafter_cost: CurveModel | None = None,
-                 batch_cap: int | None = None, min_gain: float = 0.0, overhead: float = 0.0) -> None:
-        self.cost = cost
+                 batch_cap: int | None = None, min_gain: float = 0.0) -> None:
+        self.cost = cost  # the forward's model
+        self.step_time = StepTime(cost)
+        self.tree_work = RunningMedian()  # the verifier's host seconds per tree step
+        self.drafter_cost = DrafterCost(drafter_cost)
         self.max_nodes = int(max_nodes)
         self.batch_cap = batch_cap
         self.min_gain = min_gain
-        self.overhead = overhead
-        self.gate = DraftGate(cost, drafter_cost, overhead=overhead)
+        self.gate = DraftGate(self.step_time, self.drafter_cost)
         self.last: Allocation | None = None
         self._step: tuple[int, int, float] | None = None
+        self._previous: tuple[float, int, int, float | None] | None = None  # start, tokens, requests, forward s
+        self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
                       "observed_steps": 0}
 
@@ -46,23 +90,36 @@ class StepBudget:
         return cls(record.step_model(), max_nodes, CurveModel.fit(samples) if samples else None, **options)
 
     @classmethod
-    def for_runner(cls, runner: Any, max_nodes: int, refresh: bool = False, **options: Any) -> StepBudget | None:
-        """The runner's budget from its cached or freshly measured curve; None (one log line) if that fails."""
+    def for_runner(cls, runner: Any, max_nodes: int, refresh: bool = False, sweep: dict[str, Any] | None = None,
+                   **options: Any) -> StepBudget | None:
+        """The runner's budget from its cached or freshly measured curve (``sweep``: options of the sweep); None
+        (one log line) if that fails."""
         try:
             from vllm_treespec.cost.measure import step_cost_model
 
-            _, record = step_cost_model(runner, refresh=refresh)
+            _, record = step_cost_model(runner, refresh=refresh, **(sweep or {}))
             return cls.from_record(record, max_nodes, type(getattr(runner, "drafter", None)).__name__, **options)
         except Exception as e:  # noqa: BLE001 - a cost model is an optimisation, never a reason to fail start-up
             logger.warning("vllm_treespec: no step-cost model for this engine (%s: %s); trees run as proposed",
                            type(e).__name__, e)
             return None
 
+    @property
+    def host_seconds(self) -> float:
+        """Measured host time per step outside the forward, the drafter and the tree work."""
+        return self.step_time.host.seconds
+
     # --- per step ----------------------------------------------------------------------------------------------
     def should_draft(self, num_reqs: int) -> bool:
+        self.gate.overhead = self.tree_work.seconds
         draft = self.gate.should_draft(num_reqs, self.max_nodes)
         self.stats["skipped_drafts"] += not draft
         return draft
+
+    def drafted(self, num_reqs: int, seconds: float) -> None:
+        """The drafter's call for ``num_reqs`` requests took ``seconds``."""
+        self.drafter_cost.timed.observe(num_reqs, seconds)
+        self._cycle_other += seconds
 
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
               base_tokens: int | None = None) -> list[DraftTree | None]:
@@ -70,9 +127,9 @@ class StepBudget:
         if not any(t is not None and t.node_probs is not None for t in trees):
             return list(trees)
         self.gate.record(trees)
-        allocation = allocate(trees, self.cost, num_reqs=num_reqs, base_tokens=base_tokens,
-                              per_request_cap=self.max_nodes, batch_cap=self.batch_cap, overhead=self.overhead,
-                              min_gain=self.min_gain)
+        allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,
+                              per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
+                              overhead=self.tree_work.seconds, min_gain=self.min_gain)
         self.last = allocation
         self.stats["allocations"] += 1
         self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)
@@ -80,7 +137,19 @@ class StepBudget:
         return allocation.trees
 
     def step_started(self, num_tokens: int, num_reqs: int) -> None:
-        self._step = (int(num_tokens), int(num_reqs), time.perf_counter())
+        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests starts: the previous step's host time is
+        what the time since its start leaves after its forward, its drafter call and its tree work."""
+        now = time.perf_counter()
+        if self._previous is not None:
+            started, tokens, reqs, forward = self._previous
+            if forward is None:  # not timed (an asynchronous device): the model's prediction
+                forward = self.cost.predict(tokens, reqs)
+            host = now - started - forward - self._cycle_other
+            if host <= MAX_HOST_SECONDS:
+                self.step_time.host.add(max(host, 0.0))
+        self._cycle_other = 0.0
+        self._step = (int(num_tokens), int(num_reqs), now)
+        self._previous = (now, int(num_tokens), int(num_reqs), None) if num_tokens > 0 and num_reqs > 0 else None
 
     def step_finished(self) -> None:
         """Fold the forward's time since :meth:`step_started` into the model (the caller synchronises the device)."""
@@ -89,26 +158,75 @@ class StepBudget:
         num_tokens, num_reqs, started = self._step
         self._step = None
         if num_tokens > 0 and num_reqs > 0:
-            self.cost.observe(num_tokens, num_reqs, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.cost.observe(num_tokens, num_reqs, seconds)
+            self._previous = (started, num_tokens, num_reqs, seconds)
             self.stats["observed_steps"] += 1
+
+    def tree_worked(self, seconds: float) -> None:
+        """The verifier's host work of a step that verified trees (attach, acceptance, KV compaction)."""
+        self.tree_work.add(seconds)
+        self._cycle_other += seconds
+
+    def report(self) -> dict[str, Any]:
+        return {**self.stats, "corrections": self.cost.correction.buckets, "host_ms": self.host_seconds * 1e3,
+                "tree_work_ms": self.tree_work.seconds * 1e3,
+                "drafter_ms": {2 ** b: s * 1e3 for b, s in sorted(self.drafter_cost.timed.buckets.items())}}
+
+
+@contextlib.contextmanager
+def rng_preserved() -> Iterator[None]:
+    """The sweep's dummy steps leave torch's random state as they found it (vLLM seeds it just before)."""
+    import torch
+
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def install_at_startup(runner: Any) -> StepBudget | None:
+    """At the worker's warm-up, after the KV cache exists: give the runner's tree verifier its budget (cached
+    curve, or a sweep of a few seconds), unless the speculative config has ``"cost_budget": false``."""
+    from vllm_treespec.cost.measure import STARTUP_SWEEP
+    from vllm_treespec.settings import cost_budget_enabled
+
+    verifier = getattr(runner, "_treespec_verifier", None)
+    if verifier is None:
+        return None
+    if not cost_budget_enabled(getattr(runner, "vllm_config", None)):
+        logger.info("vllm_treespec: cost_budget is off: every tree is verified as proposed")
+        return None
+    started = time.perf_counter()
+    with rng_preserved():
+        budget = StepBudget.for_runner(runner, verifier.max_nodes, sweep=STARTUP_SWEEP)
+    if budget is not None:
+        logger.info("vllm_treespec: step-cost budget on (%.1f s at start-up; forward %.1f ms at 1 token, %.1f ms at "
+                    "%d)", time.perf_counter() - started, budget.cost.predict(1) * 1e3,
+                    budget.cost.predict(1 + verifier.max_nodes) * 1e3, 1 + verifier.max_nodes)
+    verifier.budget = budget
+    return budget
 
 
 def install_budget(worker: Any, refresh: bool = False, **options: Any) -> dict[str, Any]:
     """For ``LLM.collective_rpc`` (it runs between engine steps, so the sweep's dummy steps cannot disturb a real
-    one): give this worker's tree verifier a :class:`StepBudget` from the cached curve or a fresh sweep. Returns
-    what was installed."""
+    one): give this worker's tree verifier a :class:`StepBudget` from the cached curve or a fresh sweep (``refresh``:
+    always measure). Returns what was installed."""
     verifier = getattr(worker.model_runner, "_treespec_verifier", None)
     if verifier is None:
         return {"installed": False, "reason": "no tree verifier on this worker"}
-    budget = StepBudget.for_runner(worker.model_runner, verifier.max_nodes, refresh=refresh, **options)
+    with rng_preserved():
+        budget = StepBudget.for_runner(worker.model_runner, verifier.max_nodes, refresh=refresh, **options)
     verifier.budget = budget
     return {"installed": budget is not None}
 
 
 def budget_report(worker: Any) -> dict[str, Any]:
-    """For ``LLM.collective_rpc``: the installed budget's counters and learnt corrections (empty without one)."""
+    """For ``LLM.collective_rpc``: the installed budget's counters and learnt costs (empty without one)."""
     verifier = getattr(worker.model_runner, "_treespec_verifier", None)
     budget = getattr(verifier, "budget", None)
-    if budget is None:
-        return {}
-    return {**budget.stats, "corrections": budget.cost.correction.buckets}
+    return {} if budget is None else budget.report()

@@ -41,6 +41,9 @@ DEFAULT_REPEATS = 5
 DEFAULT_BUDGET_S = 20.0
 DEFAULT_STOP_RATIO = 8.0
 DRAFTER_REQS = (1, 2, 4, 8)
+#: the sweep every tree engine runs at start-up when its curve is not cached: a few seconds (three rounds, their
+#: timed steps within 3 s; warm-ups within as much again)
+STARTUP_SWEEP = {"repeats": 3, "budget_s": 3.0}
 
 
 def device_name() -> str:
@@ -123,13 +126,27 @@ def time_rounds(run: Callable[[int, int], float], points: Sequence[tuple[int, in
                 keep: Iterable[tuple[int, int]] = ()) -> list[StepSample]:
     """Warm-up runs per point (cheapest first: the better of two, one if the first is already past the limit),
     dropping points past ``stop_ratio`` times the cheapest or beyond what ``budget_s`` allows for ``repeats``
-    rounds (``keep``: points never dropped), then ``repeats`` interleaved rounds, each in a shuffled order."""
+    rounds (``keep``: points never dropped), then ``repeats`` interleaved rounds, each in a shuffled order. Once a
+    point is past the limit, points with as many requests and more tokens are not run at all, and warm-ups stop
+    when they have used ``budget_s`` (kept points excepted)."""
     keep = set(keep)
     warm: dict[tuple[int, int], float] = {}
+    past_limit: dict[int, int] = {}  # requests -> fewest tokens found past the limit
+    warming = 0.0
     for point in sorted(points):
+        tokens, reqs = point
+        if point not in keep and (tokens > past_limit.get(reqs, tokens) or warming > budget_s):
+            continue
         first = run(*point)
         floor = min([first, *warm.values()])
-        warm[point] = first if first > stop_ratio * floor and point not in keep else min(first, run(*point))
+        if first > stop_ratio * floor and point not in keep:
+            warm[point] = first
+            past_limit[reqs] = min(past_limit.get(reqs, tokens), tokens)
+        else:
+            second = run(*point)
+            warm[point] = min(first, second)
+            warming += second
+        warming += first
     floor = min(warm.values())
     chosen, spent = [], 0.0
     for point in sorted(warm, key=lambda p: (p not in keep, warm[p])):

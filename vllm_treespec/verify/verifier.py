@@ -18,6 +18,7 @@ from vllm_treespec.tree import TreeBatch
 from vllm_treespec.verify.accept import (accept, greedy_mask, logits_rows, read_logits, verification_results,
                                          write_chain_form)
 from vllm_treespec.verify.attach import build_batch, flatten_trees, match_scheduled, rewrite_positions
+from vllm_treespec.verify.calibration import AcceptanceTracker
 from vllm_treespec.verify.chainize import aux_in_asked_order, chainize, committed_rows
 from vllm_treespec.verify.compact import accepted_moves, slots
 from vllm_treespec.verify.report import StepTimer
@@ -27,12 +28,15 @@ logger = logging.getLogger("vllm.treespec")
 
 # The vLLM objects tree verification relies on, attribute by attribute: everything the modules of CONTRACT_MODULES
 # read or write on vLLM's model runner (GPUModelRunner, CPUModelRunner), its InputBatch, the BlockTable of KV-cache
-# group 0 and the runner's CachedRequestState entries. tests/unit/test_runner_contract.py checks that those modules use
-# exactly these (parsing them) and that the installed vLLM has each.
-CONTRACT_MODULES = ("vllm_treespec.verify", "vllm_treespec.kv_view", "vllm_treespec.patches.model_runner")
+# group 0 and the runner's CachedRequestState entries (the step-cost sweep of vllm_treespec.cost drives the runner's
+# dummy steps). tests/unit/test_runner_contract.py checks that those modules use exactly these (parsing them) and that
+# the installed vLLM has each.
+CONTRACT_MODULES = ("vllm_treespec.verify", "vllm_treespec.kv_view", "vllm_treespec.patches.model_runner",
+                    "vllm_treespec.cost", "vllm_treespec.patches.cpu_worker", "vllm_treespec.patches.gpu_worker")
 RUNNER_ATTRIBUTES = (
-    "_draft_prob_req_ids", "_draft_probs", "drafter", "input_batch", "kv_cache_config", "model", "positions",
-    "query_start_loc", "requests", "speculative_config", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
+    "_draft_prob_req_ids", "_draft_probs", "_dummy_run", "_sync_device", "drafter", "input_batch", "kv_cache_config",
+    "max_num_tokens", "model", "positions", "query_start_loc", "requests", "scheduler_config", "speculative_config",
+    "uniform_decode_query_len", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
 )
 INPUT_BATCH_ATTRIBUTES = (
     "block_table", "num_computed_tokens_cpu", "num_reqs", "num_tokens_no_spec", "req_id_to_index", "req_ids",
@@ -58,9 +62,16 @@ class TreeVerifier:
         self.stats = {"tree_steps": 0, "tree_rows": 0, "accepted": 0}
         self.last_moves: tuple[np.ndarray, np.ndarray] | None = None
         self._layers: list[Any] | None = None
-        #: a vllm_treespec.cost.budget.StepBudget once installed (cost.budget.install_budget): trims scored trees
-        #: to the nodes that pay and learns step times; None = trees run as proposed
+        #: a vllm_treespec.cost.budget.StepBudget, installed at the worker's warm-up (cost.budget.install_at_startup)
+        #: unless the config says "cost_budget": false: gates the drafter, trims scored trees to the nodes that pay
+        #: and learns step times; None = trees run as proposed
         self.budget: Any = None
+        self._tree_seconds = 0.0  # this step's host work on trees so far (attach, acceptance, compaction)
+        #: acceptance rates by source and raw confidence, learned from every step's committed tokens: they turn
+        #: node_probs into acceptance probabilities for the budget, and graft ranks its sources by them
+        self.acceptance = AcceptanceTracker(getattr(proposer, "acceptance_sources", ()))
+        if proposer is not None:
+            proposer.use_acceptance(self.acceptance.calibration)
 
     # --- support -----------------------------------------------------------------------------------------------
     def _decide_support(self) -> bool:
@@ -87,9 +98,13 @@ class TreeVerifier:
         input_batch = self.runner.input_batch
         num_reqs = len(sampled_token_ids)
         req_ids = list(input_batch.req_ids[:num_reqs])
+        tracking = self._tracks_acceptance()
+        if tracking:
+            self.acceptance.committed(req_ids, sampled_token_ids)
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
-                             max_nodes=self.max_nodes)
+                             max_nodes=self.max_nodes,
+                             step_cost=self.budget.step_time if self.budget is not None else None)
         proposer = self.proposer
         if proposer.needs_hidden_states and hidden_states is not None and query_start_loc is not None:
             # rows were chainized after sample()
@@ -104,23 +119,45 @@ class TreeVerifier:
 
             ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs, sampled_token_ids,
                                       query_start_loc)
-        trees = self.proposer.propose_trees(ctx)
-        if len(trees) != num_reqs:
-            raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
-                               f"for {num_reqs} requests")
+        proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(self._draft(ctx))]
+        trees = proposed
         if self.budget is not None:
-            trees = self.budget.admit([t if ctx.needs_draft(i) else None for i, t in enumerate(trees)], num_reqs)
+            trees = self.budget.admit(self.acceptance.calibrate(proposed), num_reqs)
+        if tracking:
+            self.acceptance.handed(req_ids, proposed, trees)
         drafts, self.pending = flatten_trees(ctx, trees,
                                              lambda req_id: bool(self.enabled) and self._request_can_use_tree(req_id))
         return drafts
+
+    def _tracks_acceptance(self) -> bool:
+        """Learn acceptance rates: the budget weighs nodes by them, a proposer with named sources ranks by them."""
+        return self.budget is not None or bool(getattr(self.proposer, "acceptance_sources", ()))
+
+    def _draft(self, ctx: ProposeContext) -> list[DraftTree | None]:
+        """The proposer's trees; none at all when the budget's gate says drafting would not pay (timed for it)."""
+        budget = self.budget
+        drafting = sum(ctx.needs_draft(i) for i in range(ctx.num_reqs))
+        if budget is not None and drafting and not budget.should_draft(drafting):
+            return [None] * ctx.num_reqs
+        started = time.perf_counter()
+        trees = self.proposer.propose_trees(ctx)
+        if len(trees) != ctx.num_reqs:
+            raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
+                               f"for {ctx.num_reqs} requests")
+        if budget is not None and drafting:
+            budget.drafted(drafting, time.perf_counter() - started)
+        return trees
 
     # --- hook: after _prepare_inputs -------------------------------------------------------------------------
     def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
         started = time.perf_counter()
         if self.budget is not None:
             self.budget.step_started(int(np.sum(num_scheduled_tokens)), len(num_scheduled_tokens))
+        if self._tracks_acceptance():
+            self.acceptance.scheduled(scheduler_output.scheduled_spec_decode_tokens)
         pending, self.pending = self.pending, {}
         self.batch = None
+        self._tree_seconds = 0.0
         plan.publish(None)
         if not pending:
             return
@@ -135,7 +172,8 @@ class TreeVerifier:
         plan.publish(batch)
         if self.stats["tree_steps"] == 0:
             logger.info("vllm_treespec: tree verification active (%d tree rows in the first tree step)", batch.num_reqs)
-        self.timer.add("attach", time.perf_counter() - started)
+        self._tree_seconds = time.perf_counter() - started
+        self.timer.add("attach", self._tree_seconds)
 
     # --- hook: around _sample -----------------------------------------------------------------------------------
     def sample(self, original, logits: torch.Tensor, spec_decode_metadata: Any):
@@ -152,7 +190,9 @@ class TreeVerifier:
         # rows; a float32 copy only where sampling or the proposer needs full distributions.
         argmax, tree_logits = read_logits(logits, logits_index,
                                           full=not greedy.all() or self.proposer.wants_target_logits)
-        self.timer.add("accept", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.timer.add("accept", seconds)
+        self._tree_seconds += seconds
 
         output = original(logits, spec_decode_metadata)
 
@@ -162,11 +202,14 @@ class TreeVerifier:
             batch, row_offsets, widths, argmax, output.sampled_token_ids.shape[1] - 1, greedy, tree_logits,
             input_batch.sampling_metadata, input_batch.num_reqs)
         write_chain_form(output.sampled_token_ids, batch, out_tokens)
-        self.timer.add("accept", time.perf_counter() - started)
+        accept_seconds = time.perf_counter() - started
+        self.timer.add("accept", accept_seconds)
 
         started = time.perf_counter()
         self.last_moves = self._compact(batch, out_nodes, out_len)
-        self.timer.add("compact", time.perf_counter() - started)
+        compact_seconds = time.perf_counter() - started
+        self.timer.add("compact", compact_seconds)
+        self._tree_seconds += accept_seconds + compact_seconds
         self.timer.steps += 1
         self.stats["tree_steps"] += 1
         self.stats["tree_rows"] += batch.num_reqs
@@ -175,8 +218,12 @@ class TreeVerifier:
             logger.warning("vllm_treespec step: rows=%s accepted=%s", batch.rows.tolist(), out_len.tolist())
 
         if type(self.proposer).on_verified is not TreeProposer.on_verified:
+            started = time.perf_counter()
             self.proposer.on_verified(verification_results(batch, out_tokens, out_nodes, out_len, tree_logits,
                                                            row_offsets, widths, self.proposer.wants_target_logits))
+            self._tree_seconds += time.perf_counter() - started
+        if self.budget is not None:
+            self.budget.tree_worked(self._tree_seconds)
         return output
 
     # --- KV compaction --------------------------------------------------------------------------------------------
@@ -204,4 +251,5 @@ class TreeVerifier:
         if req_ids:
             for req_id in req_ids:
                 self.pending.pop(req_id, None)
+            self.acceptance.forget(req_ids)
             self.proposer.on_requests_finished(set(req_ids))

@@ -1,0 +1,123 @@
+"""The verifier's acceptance calibration (vllm_treespec.verify.calibration), without an engine: node_probs become
+calibrated acceptance probabilities per source, and every step's committed tokens teach it — trees and chains alike,
+cut to what was scheduled; drafts that were not what vLLM verified teach nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fake_runner import FakeProposer, FakeRequest, fake_runner, recording_layer, schedule
+
+from vllm_treespec.api import DraftTree, DraftTreeError
+from vllm_treespec.attn import plan
+from vllm_treespec.verify.calibration import (ACCEPTANCE_PRIOR_TRIALS, AcceptanceCalibration, AcceptanceTracker,
+                                              accepted_walk)
+from vllm_treespec.verify.verifier import TreeVerifier
+
+# 10 -> 12, 10 -> 13, 11: two sources
+TREE = DraftTree(np.array([10, 11, 12, 13]), np.array([-1, -1, 0, 0], np.int32),
+                 np.array([0.95, 0.35, 0.55, 0.15], np.float32), np.array([0, 1, 0, 1], np.int32))
+
+
+@pytest.fixture(autouse=True)
+def no_published_batch():
+    yield
+    plan.publish(None)
+
+
+def test_calibration_starts_at_the_raw_number_and_learns_the_rate():
+    cal = AcceptanceCalibration(["suffix", "successor"])
+    raw = np.array([0.05, 0.55, 0.95])
+    assert np.allclose(cal(0, raw), raw)
+    cal.observe(np.zeros(40, np.int64), np.full(40, 0.97), np.arange(40) == 0)
+    assert cal(0, np.array([0.95]))[0] == pytest.approx((1 + ACCEPTANCE_PRIOR_TRIALS * 0.95) / 48)
+    # one source id per node
+    assert cal(np.array([0, 1]), np.array([0.95, 0.95])).tolist() == pytest.approx([(1 + 8 * 0.95) / 48, 0.95])
+
+
+def test_node_sources_are_checked_and_kept_by_cuts():
+    with pytest.raises(DraftTreeError, match="node_sources"):
+        DraftTree(np.array([1, 2]), np.array([-1, 0]), None, np.array([0]))
+    assert TREE.truncate(2).node_sources.tolist() == [0, 1]
+    assert TREE.breadth_first().node_sources.tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="acceptance_sources"):
+        AcceptanceTracker(["only"]).calibrate([TREE])
+
+
+def test_walk_follows_the_committed_tokens():
+    assert accepted_walk(TREE, [10, 13]).tolist() == [True, False, False, True]
+    assert accepted_walk(TREE, []).tolist() == [False] * 4
+    assert accepted_walk(TREE, [12]) is None  # 12 is not a root child: not this tree
+
+
+def test_tracker_learns_from_what_was_scheduled_and_committed():
+    tracker = AcceptanceTracker(["suffix", "successor"])
+    cal = tracker.calibration
+    calibrated = tracker.calibrate([TREE, None])
+    assert np.allclose(calibrated[0].node_probs, TREE.node_probs)  # no data yet: the raw numbers
+    kept = DraftTree(np.array([10, 12, 11]), np.array([-1, 0, -1], np.int32))  # what the budget kept
+    tracker.handed(["a", "b"], [TREE, None], [kept, None])
+    tracker.scheduled({"a": [10, 12]})  # vLLM scheduled two of the three drafts
+    tracker.committed(["a", "b"], [[10, 7], [5]])  # 10 accepted, then the target's own 7
+    # reached: 10 (accepted, suffix, raw 0.95) and its child 12 (rejected, suffix, raw 0.55); 11 was not scheduled
+    assert cal.trials.sum() == 2 and cal.accepts[0, 9] == 1 and cal.trials[0, 5] == 1
+    assert tracker.stats == {"learned_trees": 1, "learned_nodes": 2}
+    # the next calibration of those bins follows
+    again = tracker.calibrate([TREE])[0].node_probs
+    assert again[0] == pytest.approx((1 + 8 * 0.95) / 9) and again[2] == pytest.approx(8 * 0.55 / 9)
+
+
+def test_chains_teach_too_and_replaced_drafts_do_not():
+    tracker = AcceptanceTracker([])
+    chain = DraftTree(np.array([4, 5, 6]), np.array([-1, 0, 1], np.int32), np.array([0.9, 0.9, 0.9], np.float32))
+    tracker.handed(["a"], [chain], [chain])
+    tracker.scheduled({"a": [4, 5, 6]})
+    tracker.committed(["a"], [[4, 5, 9]])  # two accepted, the third rejected
+    assert tracker.calibration.trials.sum() == 3 and tracker.calibration.accepts.sum() == 2
+    tracker.handed(["a"], [chain], [chain])
+    tracker.scheduled({"a": [4, 8]})  # not the drafts we handed (a chain fallback, placeholders)
+    tracker.committed(["a"], [[4, 8, 1]])
+    tracker.handed(["a"], [chain], [chain])
+    tracker.scheduled({})  # not scheduled with drafts
+    tracker.committed(["a"], [[4, 5, 6, 1]])
+    assert tracker.calibration.trials.sum() == 3
+
+
+def test_the_verifier_calibrates_for_the_budget_and_hands_proposers_the_calibration():
+    from vllm_treespec.cost.budget import StepBudget
+    from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
+
+    class Sourced(FakeProposer):
+        acceptance_sources = ("suffix", "successor")
+
+        def use_acceptance(self, calibration):
+            self.acceptance = calibration
+
+    requests = [FakeRequest("a", [1, 2, 3, 4, 9], [3, 0])]
+    runner = fake_runner(requests, 8)
+    proposer = Sourced({"a": TREE})
+    verifier = TreeVerifier(runner, proposer)
+    verifier._layers = [recording_layer()]
+    assert proposer.acceptance is verifier.acceptance.calibration and proposer.acceptance.names == ["suffix",
+                                                                                                      "successor"]
+    tokens = np.arange(1, 40)
+    verifier.budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, 0.05 + 0.01 * (tokens - 1))), 8)
+    # suffix nodes at raw 0.9-1 were almost never accepted: the budget sees ~0.1, not 0.95
+    verifier.acceptance.calibration.observe(np.zeros(200, np.int64), np.full(200, 0.95), np.arange(200) < 20)
+    # at 10 ms a token over a 50 ms step only the successor's 0.35 node pays; on the raw numbers 10 (0.95) would lead
+    assert verifier.propose([[9]]) == [[11]]
+    assert max(verifier.budget.last.gains) == pytest.approx(0.35)
+    assert np.isclose(verifier.budget.last.gains, (20 + 8 * 0.95) / 208).any()  # node 10, calibrated
+    # an engine step: what was handed is scheduled and its outcome learned at the next propose
+    verifier.budget = None
+    proposer.trees = {"a": DraftTree(np.array([10, 11]), np.array([-1, -1], np.int32),
+                                     np.array([0.35, 0.35], np.float32), np.array([1, 1], np.int32))}
+    drafts = verifier.propose([[9]])
+    assert drafts == [[10, 11]]
+    scheduler_output, num_scheduled = schedule(runner, {"a": drafts[0]})
+    verifier.attach(scheduler_output, num_scheduled)
+    plan.publish(None)
+    trials = verifier.acceptance.calibration.trials.sum()
+    verifier.propose([[11, 4]])  # 11 accepted, then the target's 4
+    assert verifier.acceptance.calibration.trials.sum() == trials + 2
+    assert verifier.acceptance.calibration.accepts[1].sum() == 1

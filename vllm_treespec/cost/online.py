@@ -1,0 +1,63 @@
+"""Costs learnt only from the engine's own steps, which no start-up sweep can see: the host time of a step outside
+the forward (scheduler, sampler, output processing, the verifier's tree work) and a drafter's seconds per call.
+numpy only."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+#: host-time samples kept; the median of a window ignores the odd idle gap between two batches of requests
+HOST_WINDOW = 64
+#: exponential weight of a new drafter timing
+CALL_ALPHA = 0.2
+
+
+class RunningMedian:
+    """Median of the last ``window`` finite, non-negative samples; ``default`` before the first one."""
+
+    def __init__(self, window: int = HOST_WINDOW, default: float = 0.0) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+        self.default = default
+        self._median: float | None = None
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value) and value >= 0:
+            self.samples.append(float(value))
+            self._median = None
+
+    @property
+    def seconds(self) -> float:
+        if not self.samples:
+            return self.default
+        if self._median is None:
+            self._median = float(np.median(self.samples))
+        return self._median
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+class CallCost:
+    """Seconds per call of a drafter as a function of the requests it drafts for: an exponentially weighted mean
+    per power-of-two bucket of requests, interpolated in log2 between the buckets seen (flat beyond them); None
+    before the first timed call."""
+
+    def __init__(self, alpha: float = CALL_ALPHA) -> None:
+        self.alpha = alpha
+        self.buckets: dict[int, float] = {}
+
+    def observe(self, num_reqs: int, seconds: float) -> None:
+        if num_reqs < 1 or not (math.isfinite(seconds) and seconds >= 0):
+            return
+        bucket = int(round(math.log2(num_reqs)))
+        old = self.buckets.get(bucket)
+        self.buckets[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+
+    def predict(self, num_reqs: float) -> float | None:
+        if not self.buckets:
+            return None
+        keys = sorted(self.buckets)
+        return float(np.interp(math.log2(max(num_reqs, 1)), keys, [self.buckets[k] for k in keys]))

@@ -1,0 +1,230 @@
+"""The online acceptance calibration: how often the target accepts a draft node, by the source that scored it and
+by its raw confidence, learned from every verified draft of every proposer, so that each proposer's ``node_probs``
+become acceptance probabilities before the step budget (:mod:`vllm_treespec.cost`) weighs them.
+
+A proposer's raw numbers are rarely acceptance rates (suffix-automaton continuation counts, a successor table's
+learned target distributions, a head's softmax), and they are not on one scale across sources. A proposer names its
+sources in ``TreeProposer.acceptance_sources`` and marks each node's source in ``DraftTree.node_sources`` (one
+source, "proposer", when it names none); :class:`AcceptanceTracker` then
+
+1. replaces each tree's ``node_probs`` by the calibrated rate of its node's source and raw-confidence bin
+   (:class:`AcceptanceCalibration`: the raw number until a bin has data);
+2. remembers the drafts each request was handed, cut to what vLLM scheduled (:meth:`AcceptanceTracker.scheduled`);
+3. when the next step's committed tokens arrive, walks each remembered tree along them (accepted drafts are the
+   committed tokens but the last) and counts every node the target reached — root children and children of
+   accepted nodes — as accepted or not. Trees and chains alike, whoever verified them (our tree acceptance or
+   vLLM's rejection sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from vllm_treespec.api import DraftTree
+
+#: raw-confidence bins (uniform over a node's probability given its parent)
+ACCEPTANCE_BINS = 10
+#: pseudo-trials at the raw confidence before a bin has data: early estimates stay near the source's own number
+ACCEPTANCE_PRIOR_TRIALS = 8.0
+#: the source of every node of a proposer that names none
+DEFAULT_SOURCE = "proposer"
+
+
+class AcceptanceCalibration:
+    """How often the target accepts a tree node, by source and by the node's raw confidence (its source's probability
+    of the token given the parent's path), counted over the nodes whose parent was accepted:
+    ``(accepts + m * raw) / (trials + m)`` per bin, ``m`` = :data:`ACCEPTANCE_PRIOR_TRIALS`, which is the raw number
+    until a bin has data."""
+
+    def __init__(self, sources: Sequence[str]) -> None:
+        self.names = list(sources)
+        self.trials = np.zeros((len(self.names), ACCEPTANCE_BINS))
+        self.accepts = np.zeros((len(self.names), ACCEPTANCE_BINS))
+
+    def source_id(self, name: str) -> int:
+        return self.names.index(name)
+
+    @staticmethod
+    def bins(raw: np.ndarray) -> np.ndarray:
+        return np.clip((np.asarray(raw, np.float64) * ACCEPTANCE_BINS).astype(np.int64), 0, ACCEPTANCE_BINS - 1)
+
+    def __call__(self, source: int | np.ndarray, raw: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities of nodes with sources ``source`` (one id, or one per node) and raw confidences
+        ``raw``."""
+        raw = np.clip(np.nan_to_num(np.asarray(raw, np.float64)), 0.0, 1.0)
+        b = self.bins(raw)
+        rate = (self.accepts[source, b] + ACCEPTANCE_PRIOR_TRIALS * raw) / (self.trials[source, b] +
+                                                                           ACCEPTANCE_PRIOR_TRIALS)
+        return np.minimum(rate, 1.0)
+
+    def observe(self, sources: np.ndarray, raw: np.ndarray, accepted: np.ndarray) -> None:
+        """Count verified nodes (each one's parent was accepted): their sources, raw confidences, outcomes."""
+        b = self.bins(raw)
+        np.add.at(self.trials, (sources, b), 1.0)
+        np.add.at(self.accepts, (sources, b), np.asarray(accepted, np.float64))
+
+    def observe_verified(self, results: Sequence[Any], last_trees: dict[str, Any]) -> None:
+        """Count each verified tree's nodes whose parent was accepted (the target reached them) by source, from
+        ``VerificationResult``s; ``last_trees``: what each request was last proposed, with per-node ``sources`` and
+        ``raw_probs`` (popped here). For a proposer used without a verifier (offline replay)."""
+        sources, raws, accepted = [], [], []
+        for r in results:
+            last = last_trees.pop(r.req_id, None)
+            n = r.tree.num_nodes
+            # the verifier may have truncated the tree (a prefix) or replaced it (a chain fallback)
+            if last is None or n == 0 or n > last.tree.num_nodes or \
+                    not np.array_equal(r.tree.token_ids, last.tree.token_ids[:n]):
+                continue
+            hit = np.zeros(n, bool)
+            hit[np.asarray(r.accepted_nodes, np.int64)] = True
+            reached = reached_nodes(r.tree.parents, hit)
+            known = reached & (last.sources[:n] >= 0)
+            sources.append(last.sources[:n][known])
+            raws.append(last.raw_probs[:n][known])
+            accepted.append(hit[known])
+        if sources:
+            self.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted))
+
+    def table(self) -> dict[str, list[tuple[float, int]]]:
+        """Per source and bin: (acceptance rate, trials), (nan, 0) for a bin without data (to inspect what has been
+        learned)."""
+        return {name: [(round(float(a / t), 3), int(t)) if t else (float("nan"), 0)
+                       for a, t in zip(self.accepts[i], self.trials[i])] for i, name in enumerate(self.names)}
+
+
+def reached_nodes(parents: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """Nodes the target verified a token for: children of the root and of accepted nodes."""
+    parents = np.asarray(parents, np.int64)
+    return (parents < 0) | accepted[np.maximum(parents, 0)]
+
+
+def accepted_walk(tree: DraftTree, tokens: Sequence[int]) -> np.ndarray | None:
+    """Which nodes the committed ``tokens`` (the accepted drafts, in order) accept: the path from the root that
+    follows them; None when they leave the tree (it was not what was verified)."""
+    hit = np.zeros(tree.num_nodes, bool)
+    parents, token_ids = tree.parents.tolist(), tree.token_ids.tolist()
+    current = -1
+    for token in tokens:
+        child = next((i for i in range(current + 1, tree.num_nodes)
+                      if parents[i] == current and token_ids[i] == token), None)
+        if child is None:
+            return None
+        hit[child] = True
+        current = child
+    return hit
+
+
+@dataclass
+class _Handed:
+    """What one request was handed: the tree (cut to what was scheduled) and each node's source and raw number."""
+
+    tree: DraftTree
+    sources: np.ndarray
+    raw: np.ndarray
+
+
+class AcceptanceTracker:
+    """The verifier's side of the calibration: calibrate proposed trees, remember what was scheduled, learn from the
+    committed tokens (see the module docstring)."""
+
+    def __init__(self, sources: Sequence[str]) -> None:
+        self.calibration = AcceptanceCalibration(list(sources) or [DEFAULT_SOURCE])
+        self._proposed: dict[str, _Handed] = {}
+        self._scheduled: dict[str, _Handed] = {}
+        self.stats = {"learned_trees": 0, "learned_nodes": 0}
+
+    def _sources_of(self, tree: DraftTree) -> np.ndarray:
+        if tree.node_sources is None:
+            return np.zeros(tree.num_nodes, np.int64)
+        sources = tree.node_sources.astype(np.int64)
+        if sources.size and sources.max() >= len(self.calibration.names):
+            raise ValueError(f"DraftTree.node_sources names source {int(sources.max())}, but the proposer's "
+                             f"acceptance_sources has {len(self.calibration.names)}: {self.calibration.names}")
+        return sources
+
+    def calibrate(self, trees: Sequence[DraftTree | None]) -> list[DraftTree | None]:
+        """The trees with ``node_probs`` replaced by calibrated acceptance probabilities (nodes of source -1 keep
+        their number); trees without ``node_probs`` unchanged."""
+        out: list[DraftTree | None] = []
+        for tree in trees:
+            if tree is None or tree.node_probs is None or tree.num_nodes == 0:
+                out.append(tree)
+                continue
+            sources = self._sources_of(tree)
+            known = sources >= 0
+            probs = tree.node_probs.astype(np.float64)
+            probs[known] = self.calibration(sources[known], probs[known])
+            out.append(DraftTree(tree.token_ids, tree.parents, probs.astype(np.float32), tree.node_sources))
+        return out
+
+    def handed(self, req_ids: Sequence[str], raw_trees: Sequence[DraftTree | None],
+               final_trees: Sequence[DraftTree | None]) -> None:
+        """This step's drafts: ``final_trees`` (what vLLM is handed, before its cut to ``num_speculative_tokens``),
+        cut from ``raw_trees`` (as proposed, with raw ``node_probs``)."""
+        self._proposed = {}
+        for req_id, raw, final in zip(req_ids, raw_trees, final_trees):
+            if raw is None or final is None or raw.node_probs is None or final.num_nodes == 0:
+                continue
+            index = _node_index(raw, final)
+            if index is not None:
+                self._proposed[req_id] = _Handed(final, self._sources_of(raw)[index],
+                                                 raw.node_probs.astype(np.float64)[index])
+
+    def scheduled(self, scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
+        """The drafts vLLM scheduled this step: each remembered tree cut to them (dropped if they differ: a chain
+        fallback, placeholders)."""
+        proposed, self._proposed = self._proposed, {}
+        self._scheduled = {}
+        for req_id, handed in proposed.items():
+            tokens = scheduled_spec_decode_tokens.get(req_id)
+            n = len(tokens) if tokens is not None else 0
+            if n == 0 or n > handed.tree.num_nodes or \
+                    not np.array_equal(handed.tree.token_ids[:n], np.asarray(tokens, np.int64)):
+                continue
+            self._scheduled[req_id] = _Handed(handed.tree.truncate(n), handed.sources[:n], handed.raw[:n])
+
+    def committed(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        """The tokens the step committed per request (accepted drafts, then one token of the target's): learn from
+        every scheduled tree."""
+        scheduled, self._scheduled = self._scheduled, {}
+        if not scheduled:
+            return
+        sources, raws, accepted = [], [], []
+        for req_id, tokens in zip(req_ids, sampled_token_ids):
+            handed = scheduled.get(req_id)
+            if handed is None or len(tokens) == 0:
+                continue
+            hit = accepted_walk(handed.tree, list(tokens)[:-1])
+            if hit is None:
+                continue
+            known = reached_nodes(handed.tree.parents, hit) & (handed.sources >= 0)
+            sources.append(handed.sources[known])
+            raws.append(handed.raw[known])
+            accepted.append(hit[known])
+            self.stats["learned_trees"] += 1
+            self.stats["learned_nodes"] += int(known.sum())
+        if sources:
+            self.calibration.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted))
+
+    def forget(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._proposed.pop(req_id, None)
+            self._scheduled.pop(req_id, None)
+
+
+def _node_index(original: DraftTree, cut: DraftTree) -> np.ndarray | None:
+    """For each node of ``cut`` (a subtree of ``original``: the same paths, a subset of nodes) its index in
+    ``original``, matched by parent and token; None if a node has no match."""
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, t) in enumerate(zip(original.parents.tolist(), original.token_ids.tolist())):
+        children.setdefault((p, t), i)
+    index = np.empty(cut.num_nodes, np.int64)
+    for i, (p, t) in enumerate(zip(cut.parents.tolist(), cut.token_ids.tolist())):
+        found = children.get((int(index[p]) if p >= 0 else -1, t))
+        if found is None:
+            return None
+        index[i] = found
+    return index
