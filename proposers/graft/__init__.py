@@ -6,9 +6,9 @@ verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only
 
 1. **Draft.** A model drafter (:class:`ModelDrafter`; the EAGLE-3 or KV-aware head of ``eagle_checkpoint``, drafting
    EAGLE-2 dynamic trees as ``eagle_tree`` / ``kv_aware`` do) drafts a scored tree, which graft takes level by level.
-   Without a head (``eagle_checkpoint`` "auto" and no trained default head, or "none") the draft is the retrieval tree
-   of the source that is most confident at the first checkpoint (ties: the order of ``sources``), read level by
-   level, and the log says so once.
+   Without a head (``eagle_checkpoint`` "none", or "auto" and no default head trained for the served model) the
+   draft is the retrieval tree of the source that is most confident at the first checkpoint (ties: the order of
+   ``sources``), read level by level, and the log says so once.
 2. **Prune.** After the draft reaches each checkpoint depth d, the best path confidence ``exp(max cumulative
    log-prob at depth d)`` is compared with that checkpoint's threshold; below it, drafting stops and the rest of the
    budget is freed. With a head this happens inside the head's expansion too ("draft less": the pruned levels are

@@ -188,9 +188,10 @@ def test_hidden_states_are_chainized_and_kv_view_reads(base, model, prompts, tmp
 
 
 def _draft_head(model: str, out, mode: str = "hidden") -> tuple[str, bool]:
-    """The trained default head of ``mode`` ("hidden": EAGLE-3; "kv" / "hybrid": KV-aware) when this machine has one
-    (then drafts are good), else a random head of the right shape (drafts are rarely accepted, but every step still
-    ingests hidden states, reads the KV cache if the head does, and drafts a dynamic tree)."""
+    """The default head of ``mode`` ("hidden": EAGLE-3, trained into the cache or shipped; "kv" / "hybrid": KV-aware,
+    trained into the cache) when this machine has one (then drafts are good), else a random head of the right shape
+    (drafts are rarely accepted, but every step still ingests hidden states, reads the KV cache if the head does, and
+    drafts a dynamic tree)."""
     from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
     if (default_kv_head_path(mode) / "config.json").is_file():
@@ -288,9 +289,9 @@ def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path, monkeypatch
         head, trained = _draft_head(model, tmp_path / "head")
         spec = {"checkpoint": head}
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the function by pickle
-    # floor 0: fill the budget (the CPU default floor would verify only the likely nodes: smaller trees)
+    # floor 0 and no step-cost budget: fill the budget (either would verify only the nodes likely enough to pay)
     llm = make_llm(model, {"method": "eagle_tree", "num_speculative_tokens": 24, "depth": 5, "top_k": 6,
-                           "min_node_confidence": 0, **spec})
+                           "min_node_confidence": 0, "cost_budget": False, **spec})
     try:
         assert llm.collective_rpc(drafter_checkpoint) == [head]
         got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
