@@ -30,6 +30,7 @@ this one does not).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -542,6 +543,7 @@ def kv_tile_length(num_rows: int, q_heads_per_kv: int, head_dim: int, kv_elem_si
 _SC_LEVEL2_CACHE_SIZE = 191  # glibc's constant (bits/confname.h)
 
 
+@functools.cache  # asked per tree request and step (kv_tile_length); loading libc each time cost ~0.1 ms
 def l2_cache_bytes() -> int:
     """The per-core L2 size vLLM's scheduler sizes tiles from (glibc's sysconf, else sysfs); 256 KiB if unknown."""
     size = 0
