@@ -264,3 +264,69 @@ def test_profiles_match_the_other_vllm_builds(build, avx512, rne, dtype):
     code = _BUILD_CHECK.format(build=build, dtype=dtype, avx512=avx512, rne=rne)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.stdout.strip().endswith("EQUAL"), result.stdout[-2000:] + result.stderr[-3000:]
+
+
+# --- KV compaction on the CPU cache -----------------------------------------------------------------------------------
+
+def _filled_cache(isa, dtype, block_size, num_blocks=6, heads=2, head_dim=32, seed=0):
+    from vllm_treespec.attn import layout
+
+    generator = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(num_blocks, heads, block_size, 2 * head_dim, dtype=dtype)
+    slots = torch.arange(num_blocks * block_size)
+    layout.write_slots(cache, slots, torch.randn(slots.numel(), heads, head_dim, generator=generator).to(dtype),
+                       torch.randn(slots.numel(), heads, head_dim, generator=generator).to(dtype), isa)
+    return cache
+
+
+MOVES = {  # (source slots, destination slots)
+    "one": ([40], [3]),
+    "across blocks": ([17, 33, 50, 95], [16, 17, 18, 19]),  # 17 is a destination and, first, a source
+    "swap": ([5, 9], [9, 5]),
+}
+
+
+@pytest.mark.parametrize("moves", MOVES)
+@pytest.mark.parametrize("isa,block_size", [("vec", 32), ("vec16", 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_slots_is_read_then_vllms_write(moves, isa, block_size, dtype):
+    """layout.move_slots (in place, numba) leaves the cache's bytes as reading the slots through the adapter and
+    writing them back with vLLM's cache-write op do."""
+    from vllm_treespec.attn import layout
+
+    if not layout.self_check(isa, dtype, block_size, 32, 2):
+        pytest.skip(f"vLLM's CPU cache-write op does not support {isa}/{dtype} here")
+    src, dst = (torch.tensor(m, dtype=torch.int64) for m in MOVES[moves])
+    cache = _filled_cache(isa, dtype, block_size)
+    expected = cache.clone()
+    key, value = layout.read_slots(expected, src)
+    layout.write_slots(expected, dst, key, value, isa)
+    assert layout.can_move_slots(cache, isa)
+    layout.move_slots(cache, src.numpy(), dst.numpy())
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_compact_layers_moves_every_cpu_layer_in_place_or_through_vllms_op():
+    from types import SimpleNamespace
+
+    from vllm_treespec.attn import layout
+    from vllm_treespec.attn.compact import compact_layers
+
+    src, dst = (torch.tensor(m, dtype=torch.int64) for m in MOVES["across blocks"])
+
+    def cpu_layer(kv_cache_dtype, seed):
+        impl = SimpleNamespace(kv_cache_dtype=kv_cache_dtype)  # no compact_tree_kv: the CPU backend's impl
+        return SimpleNamespace(kv_cache=_filled_cache("vec", torch.bfloat16, 32, seed=seed), impl=impl, isa="vec",
+                               _k_scale_float=1.0, _v_scale_float=1.0)
+
+    layers = [cpu_layer("auto", 0), cpu_layer("auto", 1)]
+    expected = []
+    for layer in layers:
+        cache = layer.kv_cache.clone()
+        key, value = layout.read_slots(cache, src)
+        layout.write_slots(cache, dst, key, value, "vec")
+        expected.append(cache)
+    compact_layers(layers, src, dst)
+    assert all(torch.equal(layer.kv_cache, e) for layer, e in zip(layers, expected))
+    assert not layout.can_move_slots(layers[0].kv_cache, "vec", "fp8_e4m3")  # vLLM's op converts: not in place
+    assert not layout.can_move_slots(layers[0].kv_cache, "amx")

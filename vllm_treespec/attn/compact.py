@@ -6,8 +6,9 @@ After tree acceptance the accepted nodes' K/V move from their linear slots (cont
 no cache-write kernel, no layout adapter. Gathering everything first makes overlapping moves safe. Elements are moved
 as same-width integers, so every dtype (fp8 included) is copied bit for bit.
 
-The CPU backend keeps its own path (``layout.read_slots`` / ``write_slots``), whose ISA layouts need vLLM's op;
-:func:`compact_layers` picks the path of each layer. Which slots move is the verifier's business
+The CPU backend moves the slots of its VEC layouts in place (``layout.move_slots``, one numba call per layer); any
+other CPU cache goes through ``layout.read_slots`` / ``write_slots`` (vLLM's cache-write op). :func:`compact_layers`
+picks the path of each layer. Which slots move is the verifier's business
 (:mod:`vllm_treespec.verify.compact`).
 """
 
@@ -45,14 +46,22 @@ def compact_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, src_slots: to
 
 def compact_layers(layers: list[Any], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy the K/V at ``src_slots`` to ``dst_slots`` in every attention layer's cache: device backends (impls with
-    ``compact_tree_kv``) on their logical view, the CPU backend through its ISA layout."""
+    ``compact_tree_kv``) on their logical view, the CPU backend in place on its VEC layout (else through vLLM's
+    cache-write op)."""
     device = layers[0].kv_cache.device
     src_slots, dst_slots = src_slots.to(device), dst_slots.to(device)  # one copy for all layers
+    src_np = dst_np = None
     for layer in layers:
         compact = getattr(layer.impl, "compact_tree_kv", None)
         if compact is not None:  # device backends: gather-then-scatter on the logical view
             compact(layer.kv_cache, src_slots, dst_slots)
             continue
+        kv_cache_dtype = layer.impl.kv_cache_dtype
+        if layout.can_move_slots(layer.kv_cache, layer.isa, kv_cache_dtype):
+            if src_np is None:
+                src_np, dst_np = src_slots.numpy(), dst_slots.numpy()
+            layout.move_slots(layer.kv_cache, src_np, dst_np)
+            continue
         key, value = layout.read_slots(layer.kv_cache, src_slots)  # gather all first, then scatter
         layout.write_slots(layer.kv_cache, dst_slots, key, value, layer.isa,
-                           layer._k_scale_float, layer._v_scale_float, layer.impl.kv_cache_dtype)
+                           layer._k_scale_float, layer._v_scale_float, kv_cache_dtype)

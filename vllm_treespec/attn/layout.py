@@ -9,9 +9,12 @@ adapter against vLLM's own cache-write op at startup; if it fails, tree verifica
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 import torch
 
 VEC_LAYOUT_ISAS = ("vec", "vec16")
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32}
 
 
 def readable_isa(isa: str, block_size: int) -> str:
@@ -46,6 +49,51 @@ def read_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tenso
     bs = keys_t.shape[-1]
     block, offset = slots // bs, slots % bs
     return keys_t[block, :, :, offset].clone(), values[block, :, offset, :].clone()
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _move_slots_kernel(cache, src, dst, block_size, head_dim):
+    """``cache [num_blocks, num_kv_heads, 2 * block_size * head_dim]`` (integers of the element width): K of slot s
+    at ``d * block_size + offset``, V at ``block_size * head_dim + offset * head_dim + d``. All gathered, then
+    scattered."""
+    n, heads = src.size, cache.shape[1]
+    v_base = block_size * head_dim
+    keys = np.empty((n, heads, head_dim), cache.dtype)
+    values = np.empty((n, heads, head_dim), cache.dtype)
+    for i in range(n):
+        block, offset = src[i] // block_size, src[i] % block_size
+        for h in range(heads):
+            row = cache[block, h]
+            for d in range(head_dim):
+                keys[i, h, d] = row[d * block_size + offset]
+            start = v_base + offset * head_dim
+            for d in range(head_dim):
+                values[i, h, d] = row[start + d]
+    for i in range(n):
+        block, offset = dst[i] // block_size, dst[i] % block_size
+        for h in range(heads):
+            row = cache[block, h]
+            for d in range(head_dim):
+                row[d * block_size + offset] = keys[i, h, d]
+            start = v_base + offset * head_dim
+            for d in range(head_dim):
+                row[start + d] = values[i, h, d]
+
+
+def can_move_slots(kv_cache: torch.Tensor, isa: str, kv_cache_dtype: str = "auto") -> bool:
+    """:func:`move_slots` reads this cache: a VEC layout, stored as the model dtype (16 or 32 bits), on the CPU."""
+    return (isa in VEC_LAYOUT_ISAS and kv_cache_dtype == "auto" and kv_cache.device.type == "cpu"
+            and kv_cache.element_size() in _SAME_WIDTH_INT and kv_cache.is_contiguous())
+
+
+def move_slots(kv_cache: torch.Tensor, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+    """Copy the K/V at ``src_slots`` to ``dst_slots`` in place, bit for bit, gathering all first (a destination may
+    be another move's source): what :func:`read_slots` then :func:`write_slots` do, in one call without vLLM's op.
+    Only where :func:`can_move_slots`."""
+    num_blocks, num_heads, block_size, two_d = kv_cache.shape
+    flat = kv_cache.view(_SAME_WIDTH_INT[kv_cache.element_size()]).view(num_blocks, num_heads, -1)
+    _move_slots_kernel(flat.numpy(), np.ascontiguousarray(src_slots, np.int64),
+                       np.ascontiguousarray(dst_slots, np.int64), block_size, two_d // 2)
 
 
 def write_slots(kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, isa: str,
