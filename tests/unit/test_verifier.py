@@ -448,6 +448,39 @@ def test_accepted_moves_and_slots_of_two_tree_requests():
     assert accepted_moves(batch, np.array([[0, 2, -1, -1, -1], [0, -1, -1, -1, -1]]), np.array([1, 1])) is None
 
 
+def test_accepted_moves_equal_a_walk_of_each_path():
+    """Moves request by request, k ascending, nodes in place skipped; random trees and acceptances."""
+    from proposers_helpers import random_tree
+
+    from vllm_treespec.tree import greedy_accept
+
+    rng = np.random.default_rng(3)
+    moved_steps = 0
+    for _ in range(100):
+        trees = [random_tree(rng, int(rng.integers(1, 10)), vocab=3) for _ in range(int(rng.integers(1, 5)))]
+        rows = np.sort(rng.choice(9, len(trees), replace=False))
+        starts = np.cumsum([2] + [t.num_nodes + 1 for t in trees])[:-1]
+        batch = TreeBatch.build(rows, [str(r) for r in rows], trees, starts, rng.integers(0, 200, len(trees)))
+        widths = np.diff(batch.node_offsets) + 1
+        _, out_nodes, out_len = greedy_accept(batch.tokens, batch.parents, batch.depth, batch.node_offsets,
+                                              np.cumsum(widths) - widths, rng.integers(0, 3, widths.sum()), 10)
+        want = [[], [], [], [], []]
+        for r in range(len(trees)):
+            for k, node in enumerate(out_nodes[r, :out_len[r]].tolist()):
+                if node != k:
+                    base, first = batch.context_len[r] + 1, batch.query_start[r] + 1
+                    for column, value in zip(want, (rows[r], base + node, base + k, first + node, first + k)):
+                        column.append(value)
+        moves = accepted_moves(batch, out_nodes, out_len)
+        if not want[0]:
+            assert moves is None
+            continue
+        moved_steps += 1
+        got = [moves.rows, moves.src_positions, moves.dst_positions, moves.src_query_rows, moves.dst_query_rows]
+        assert [g.tolist() for g in got] == want
+    assert moved_steps > 20
+
+
 # --- hidden states for the proposer, finished requests ----------------------------------------------------------------
 
 class HiddenStateProposer(FakeProposer):

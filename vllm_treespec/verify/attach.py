@@ -27,7 +27,8 @@ def flatten_trees(ctx: ProposeContext, trees: list[DraftTree | None], can_use_tr
         if tree is None or tree.num_nodes == 0 or not ctx.needs_draft(i):
             drafts.append([])
             continue
-        tree = tree.truncate(ctx.max_nodes)
+        if tree.num_nodes > ctx.max_nodes:
+            tree = tree.truncate(ctx.max_nodes)
         if not tree.is_chain():
             if can_use_tree(req_id):
                 pending[req_id] = tree
@@ -50,9 +51,10 @@ def match_scheduled(pending: dict[str, DraftTree], scheduled_spec_decode_tokens:
             continue
         if not np.array_equal(tree.token_ids[:n], np.asarray(spec_tokens, dtype=np.int64)):
             continue
-        tree = tree.truncate(n)
-        if tree.is_chain():
-            continue
+        if n < tree.num_nodes:  # pending trees are not chains; a prefix of one may be
+            tree = tree.truncate(n)
+            if tree.is_chain():
+                continue
         row = req_id_to_index[req_id]
         if int(num_scheduled_tokens[row]) != n + 1:
             continue

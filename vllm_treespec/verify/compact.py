@@ -25,27 +25,19 @@ class Moves:
 
 
 def accepted_moves(batch: TreeBatch, out_nodes: np.ndarray, out_len: np.ndarray) -> Moves | None:
-    """The moves that turn the accepted paths (``out_nodes[r, :out_len[r]]``) into chains; None if nothing moves."""
-    src_pos, dst_pos, rows, src_tok, dst_tok = [], [], [], [], []
-    for r in range(batch.num_reqs):
-        a = int(out_len[r])
-        if a == 0:
-            continue
-        nodes = out_nodes[r, :a]
-        k = np.arange(a)
-        moved = nodes != k
-        if not moved.any():
-            continue
-        base = int(batch.context_len[r]) + 1
-        src_pos.append(base + nodes[moved])
-        dst_pos.append(base + k[moved])
-        rows.append(np.full(int(moved.sum()), batch.rows[r]))
-        src_tok.append(int(batch.query_start[r]) + 1 + nodes[moved])
-        dst_tok.append(int(batch.query_start[r]) + 1 + k[moved])
-    if not src_pos:
+    """The moves that turn the accepted paths (``out_nodes[r, :out_len[r]]``) into chains; None if nothing moves.
+    Request by request, in path order."""
+    out_nodes = np.asarray(out_nodes, np.int64)
+    k = np.arange(out_nodes.shape[1], dtype=np.int64)
+    moved = (k[None, :] < np.asarray(out_len, np.int64)[:, None]) & (out_nodes != k[None, :])  # [R, max_len]
+    if not moved.any():
         return None
-    return Moves(np.concatenate(rows), np.concatenate(src_pos), np.concatenate(dst_pos), np.concatenate(src_tok),
-                 np.concatenate(dst_tok))
+    req, step = np.nonzero(moved)  # row-major: request by request, k ascending
+    nodes = out_nodes[req, step]
+    base = np.asarray(batch.context_len, np.int64)[req] + 1
+    first_node_row = np.asarray(batch.query_start, np.int64)[req] + 1
+    return Moves(np.asarray(batch.rows, np.int64)[req], base + nodes, base + step, first_node_row + nodes,
+                 first_node_row + step)
 
 
 def slots(block_table: np.ndarray, block_size: int, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
