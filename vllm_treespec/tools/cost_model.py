@@ -3,8 +3,8 @@
 Starts an engine on the model (default: the embedded SmolLM2-135M-Instruct), runs the start-up sweep of
 :mod:`vllm_treespec.cost.measure` in its worker, fits :class:`~vllm_treespec.cost.model.StepCostModel` and prints
 tokens, requests, measured and fitted ms per step and the marginal ms per added token; writes a matplotlib plot and
-the engine's cost-model cache (what ``cost.budget.install_budget`` loads for an engine of the same model, dtype,
-device, vLLM and thread count instead of measuring again).
+the engine's cost-model cache (what every tree-method engine of the same model, dtype, device, vLLM and thread count
+loads at start-up instead of running its own shorter sweep).
 ``--held-out`` also times points outside the fit grid in the same rounds and prints predicted vs measured.
 """
 
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--plot", type=Path, default=Path("cost_model.png"), help="plot file ('' for none)")
     parser.add_argument("--json", type=Path, default=None, help="also write the measurement as JSON here")
-    parser.add_argument("--no-cache", action="store_true", help="do not write the engine's cost-model cache")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="do not write the engine's cost-model cache (tree-method engines load it at start-up)")
     return parser
 
 
