@@ -78,7 +78,8 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
 
     "auto": the default EAGLE-3 head (trained into the cache, else shipped), "kv_aware": the hybrid KV-aware head
     trained into the cache, each only if there is one and it was trained for the served model (else one log line
-    says why not). A head folder given by path must fit the served model: another one is refused."""
+    says why not; without a served model to check against, none). A head folder given by path must fit the served
+    model: another one is refused."""
     if checkpoint in (None, "none"):
         return None
     from vllm_treespec.eagle.target import check_head_target, mismatch_message, served_identity
@@ -88,6 +89,8 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
     if checkpoint in ("auto", "kv_aware"):
         path = default_kv_head_path("hidden" if checkpoint == "auto" else "hybrid")
         if not (path / "config.json").is_file():
+            return None
+        if served is None:  # no served model to check the head against (unit tests): do not guess
             return None
         mismatch = mismatch_message(path, served)
         if mismatch:

@@ -216,6 +216,7 @@ def test_graft_auto_skips_a_default_head_for_another_model_with_one_line(tmp_pat
     assert len(warnings) == 1 and "eagle_checkpoint='auto'" in warnings[0] and f"hidden size {HIDDEN} vs 576" in \
         warnings[0], warnings
     assert isinstance(load_model_drafter("auto", fake_vllm_config()), EagleModelDrafter)
+    assert load_model_drafter("auto", None) is None  # no served model to check the head against
 
 
 # ----------------------------------------------------------------------------------------------------------------
