@@ -46,11 +46,11 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ngram_min_n: int = 2
     #: longest n-gram the n-gram source looks up
     ngram_max_n: int = 4
-    #: model drafter head folder (an EAGLE-3 head or a KV-aware head); "auto" = the EAGLE-3 head
-    #: `vllm-treespec train-eagle` wrote to the cache, "kv_aware" = the hybrid KV-aware head it wrote with
-    #: `--mode hybrid`, if there is one; "none" (default) = retrieval-only trees, which need no trained head (on CPU
-    #: with the small SmolLM2 head they are about as fast as grafting onto it: docs/benchmarks.md)
-    eagle_checkpoint: str = "none"
+    #: model drafter head folder (an EAGLE-3 head or a KV-aware head); "auto" (default) = the default EAGLE-3 head
+    #: (one trained into the cache, else the one shipped for SmolLM2) if it was trained for the served model, else
+    #: retrieval-only trees with one log line; "kv_aware" = the hybrid KV-aware head `vllm-treespec train-eagle
+    #: --mode hybrid` wrote to the cache, if there is one; "none" = retrieval-only trees, no head
+    eagle_checkpoint: str = "auto"
     #: the model drafter's levels below the root (eagle_tree's ``depth``)
     eagle_depth: int = 6
     #: the model drafter's children per expanded node and nodes expanded per level (eagle_tree's ``top_k``)
