@@ -14,11 +14,13 @@
 
 4. ``--identical`` (long; off by default): bf16, batch 1, greedy: how many outputs of vLLM's ``ngram`` and of the tree
    methods (fast path, and with ``VLLM_TREESPEC_CPU_TREE_PATH=torch`` the torch path) are token-identical to bf16
-   without speculation, on MT-Bench + HumanEval prompts.
+   without speculation, on MT-Bench + HumanEval + ShareGPT prompts (ShareGPT positions 700+ of the benchmark shuffle:
+   no default was chosen on them and the head never trained on them).
 
     .venv/bin/python scripts/bench_tree_rows.py [--dtypes float32 bfloat16] [--batches 1 8] [--nodes 4 8 16 32]
         [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity]
-        [--identical [--identical-methods suffix_tree graft] [--mt-bench 80] [--humaneval 40] [--max-tokens 128]]
+        [--identical [--identical-methods suffix_tree graft] [--mt-bench 80] [--humaneval 40] [--sharegpt 0]
+                     [--max-tokens 128] [--identical-paths fast torch]]
 
 Goals (issue 20): tree step <= 1.05 x chain step for every k, batch and dtype; tree attention <= 5% of the worker at
 16 nodes, fp32; bf16 identical-output counts of the tree methods within 5% of ngram's.
@@ -333,7 +335,8 @@ def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps:
 
 
 # --- 4. bf16 outputs identical to no speculation ----------------------------------------------------------------------
-def identical(methods: list[str], mt_bench: int, humaneval: int, max_tokens: int) -> None:
+def identical(methods: list[str], mt_bench: int, humaneval: int, sharegpt: int, max_tokens: int,
+              paths: list[str]) -> None:
     from engine_helpers import chat_prompts, close, make_llm, token_ids
     from vllm import SamplingParams
 
@@ -342,8 +345,18 @@ def identical(methods: list[str], mt_bench: int, humaneval: int, max_tokens: int
 
     model = str(ensure_smollm2())
     prompts = chat_prompts(model, limit_mt=mt_bench, limit_he=humaneval)
+    if sharegpt:
+        from transformers import AutoTokenizer
+
+        from vllm_treespec.tools.data import load_prompt_set
+
+        tok = AutoTokenizer.from_pretrained(model)
+        prompts += [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                            add_generation_prompt=True)
+                    for q in load_prompt_set(f"sharegpt[700:{700 + sharegpt}]")]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    print(f"== identical: bf16, batch 1, {len(prompts)} prompts (MT-Bench {mt_bench} + HumanEval {humaneval}), "
+    print(f"== identical: bf16, batch 1, {len(prompts)} prompts (MT-Bench {mt_bench} + HumanEval {humaneval} + "
+          f"ShareGPT {sharegpt}), "
           f"{max_tokens} tokens, greedy; outputs token-identical to bf16 without speculation", flush=True)
 
     def outputs(spec: dict | None, path: str | None = None) -> tuple[list[list[int]], float]:
@@ -366,7 +379,10 @@ def identical(methods: list[str], mt_bench: int, humaneval: int, max_tokens: int
                               "prompt_lookup_min": 1}, None)]
     for method in methods:
         spec = {"method": method, "num_speculative_tokens": 32}
-        runs += [(f"{method} (fast path)", spec, None), (f"{method} (torch path)", spec, "torch")]
+        if "fast" in paths:
+            runs.append((f"{method} (fast path)", spec, None))
+        if "torch" in paths:
+            runs.append((f"{method} (torch path)", spec, "torch"))
     for name, spec, path in runs:
         got, seconds = outputs(spec, path)
         same = sum(a == b for a, b in zip(got, reference))
@@ -387,7 +403,10 @@ def main() -> None:
     parser.add_argument("--identical-methods", nargs="+", default=["suffix_tree", "graft"])
     parser.add_argument("--mt-bench", type=int, default=80)
     parser.add_argument("--humaneval", type=int, default=40)
+    parser.add_argument("--sharegpt", type=int, default=0, help="ShareGPT prompts, positions 700+ of the shuffle")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--identical-paths", nargs="+", choices=["fast", "torch"], default=["fast", "torch"],
+                        help="CPU tree-attention paths to count (torch: the reference path before the fast one)")
     args = parser.parse_args()
     import torch
 
@@ -401,7 +420,8 @@ def main() -> None:
         print(f"== engine: SmolLM2-135M, {args.steps} steps per run, {args.repeats} runs per mode, alternating")
         engine_times(args.nodes, args.batches, args.dtypes, args.steps, args.repeats)
     if args.identical:
-        identical(args.identical_methods, args.mt_bench, args.humaneval, args.max_tokens)
+        identical(args.identical_methods, args.mt_bench, args.humaneval, args.sharegpt, args.max_tokens,
+                  args.identical_paths)
 
 
 if __name__ == "__main__":
