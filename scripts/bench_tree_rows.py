@@ -14,8 +14,9 @@
 
 4. ``--identical`` (long; off by default): bf16, batch 1, greedy: how many outputs of vLLM's ``ngram`` and of the tree
    methods (fast path, and with ``VLLM_TREESPEC_CPU_TREE_PATH=torch`` the torch path) are token-identical to bf16
-   without speculation, on MT-Bench + HumanEval + ShareGPT prompts (ShareGPT positions 700+ of the benchmark shuffle:
-   no default was chosen on them and the head never trained on them).
+   without speculation, on MT-Bench + HumanEval + ShareGPT prompts (ShareGPT from position 700 of the benchmark
+   shuffle, those that fit 1024 tokens with their output: no default was chosen on them, the head never trained on
+   them).
 
     .venv/bin/python scripts/bench_tree_rows.py [--dtypes float32 bfloat16] [--batches 1 8] [--nodes 4 8 16 32]
         [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity]
@@ -351,9 +352,15 @@ def identical(methods: list[str], mt_bench: int, humaneval: int, sharegpt: int, 
         from vllm_treespec.tools.data import load_prompt_set
 
         tok = AutoTokenizer.from_pretrained(model)
-        prompts += [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
-                                            add_generation_prompt=True)
-                    for q in load_prompt_set(f"sharegpt[700:{700 + sharegpt}]")]
+        fits = []  # the first ``sharegpt`` from position 700 on whose prompt and output fit the engine's 1024 tokens
+        for q in load_prompt_set(f"sharegpt[700:{700 + 4 * sharegpt}]"):
+            text = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                           add_generation_prompt=True)
+            if len(tok(text).input_ids) + max_tokens <= 1024:
+                fits.append(text)
+            if len(fits) == sharegpt:
+                break
+        prompts += fits
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     print(f"== identical: bf16, batch 1, {len(prompts)} prompts (MT-Bench {mt_bench} + HumanEval {humaneval} + "
           f"ShareGPT {sharegpt}), "

@@ -213,3 +213,38 @@ def test_unwritable_cache_logs_and_goes_on(tmp_path, log_lines):
     blocker.write_text("x")
     assert CostCache(blocker / "sub").save(record_of()) is None
     assert len(log_lines) == 1
+
+
+def test_a_cached_curve_that_fails_its_spot_check_is_measured_again(tmp_path, log_lines):
+    from vllm_treespec.cost.measure import spot_check
+
+    cache = CostCache(tmp_path)
+    busy = CostRecord(FORMAT_VERSION, KEY, samples_of(lambda t, r: 40 * cpu_like(t, r)))  # measured under load
+    cache.save(busy)
+    quiet = record_of()
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return quiet
+
+    def engine_now(tokens, reqs):
+        return float(cpu_like(tokens, reqs))
+
+    record, cached = load_or_measure(KEY, measure, cache, check=lambda r: spot_check(engine_now, r))
+    assert not cached and record == quiet and calls == [1]
+    assert len(log_lines) == 1 and "no longer fits" in log_lines[0].getMessage()
+    assert cache.load(KEY) == quiet
+    # the rewritten curve passes the same check: read from the cache, no sweep
+    record, cached = load_or_measure(KEY, measure, cache, check=lambda r: spot_check(engine_now, r))
+    assert cached and calls == [1]
+    assert spot_check(lambda t, r: 1.3 * engine_now(t, r), quiet) is None  # drift within the tolerance
+    assert "8 tokens" in spot_check(lambda t, r: engine_now(t, r) * (3 if t == 8 else 1), quiet)
+
+
+def test_a_sweep_cut_short_is_used_but_not_cached(tmp_path, log_lines):
+    cache = CostCache(tmp_path)
+    short = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like, grid=[1, 2]))
+    record, cached = load_or_measure(KEY, lambda: short, cache)
+    assert record == short and not cached
+    assert not cache.path(KEY).exists() and "not caching" in log_lines[0].getMessage()

@@ -188,3 +188,31 @@ def test_cost_budget_key_is_checked_and_travels_to_the_workers():
     assert cost_budget_enabled(SimpleNamespace(additional_config=None))
     with pytest.raises(TreeSpecConfigError, match="cost_budget.*true.*false"):
         translate({"method": "suffix_tree", "cost_budget": "off"}, None)
+
+
+def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
+    """A first tree step or drafter call that compiles kernels is not counted, and a tree-work price measured too
+    high under a moment of load cannot keep drafting out for good: the gate's probes verify trees without that
+    price, so it is measured again."""
+    tokens = np.arange(1, 40)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
+    tree = DraftTree(np.array([7, 8]), np.array([-1, 0], np.int32), np.array([0.6, 0.6], np.float32))
+    budget.tree_worked(5.0)  # the first tree step compiled the kernels
+    budget.drafted(1, 3.0)  # and so did the drafter's first call
+    assert budget.tree_work.seconds == 0.0 and budget.drafter_cost.predict(1) == 0.0
+    budget.drafted(1, 0.002)
+    assert budget.drafter_cost.predict(1) == pytest.approx(0.002)
+    for _ in range(3):
+        budget.tree_worked(0.2)  # load: tree work dearer than anything the tree can gain
+    assert budget.should_draft(1) and budget.gate.probing  # no history yet: a probe
+    assert budget.admit([tree])[0] is not None  # explored despite the price
+    skipped = 0
+    while not budget.should_draft(1):
+        skipped += 1
+    assert skipped == budget.gate.probe_every and budget.gate.probing
+    assert budget.admit([tree])[0] is not None
+    for _ in range(4):
+        budget.tree_worked(0.001)  # measured again: cheap
+    assert budget.should_draft(1) and not budget.gate.probing
+    assert budget.admit([tree])[0] is not None
+    assert budget.stats["probes"] == 2 and budget.stats["skipped_drafts"] == budget.gate.probe_every

@@ -188,6 +188,7 @@ class DraftGate:
         self.overhead = overhead
         self.marginal: np.ndarray | None = None  # per-request expected gain of its j-th best node
         self.skipped = 0
+        self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
 
     def record(self, trees: Sequence[DraftTree | None]) -> None:
         """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
@@ -220,10 +221,12 @@ class DraftGate:
         return float(rates[1:].max()) if gains.size else 0.0, float(rates[0])
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None) -> bool:
+        self.probing = False
         if num_reqs <= 0:
             return False
         if self.marginal is None or self.skipped >= self.probe_every:
             self.skipped = 0
+            self.probing = True
             return True
         # a drafter not timed yet counts as free: it drafts, and is timed
         drafter = (self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None) or 0.0

@@ -82,7 +82,7 @@ class StepBudget:
         self._previous: tuple[float, int, int, float | None] | None = None  # start, tokens, requests, forward s
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
-                      "observed_steps": 0}
+                      "probes": 0, "observed_steps": 0}
 
     @classmethod
     def from_record(cls, record: CostRecord, max_nodes: int, drafter: str | None = None, **options: Any) -> StepBudget:
@@ -127,11 +127,14 @@ class StepBudget:
         if not any(t is not None and t.node_probs is not None for t in trees):
             return list(trees)
         self.gate.record(trees)
+        # a probe's trees are verified without the tree work's price, so that price is measured again
+        overhead = 0.0 if self.gate.probing else self.tree_work.seconds
         allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,
                               per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
-                              overhead=self.tree_work.seconds, min_gain=self.min_gain)
+                              overhead=overhead, min_gain=self.min_gain)
         self.last = allocation
         self.stats["allocations"] += 1
+        self.stats["probes"] += self.gate.probing
         self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)
         self.stats["admitted_nodes"] += allocation.total_nodes
         return allocation.trees

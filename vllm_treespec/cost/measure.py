@@ -44,6 +44,11 @@ DRAFTER_REQS = (1, 2, 4, 8)
 #: the sweep every tree engine runs at start-up when its curve is not cached: a few seconds (three rounds, their
 #: timed steps within 3 s; warm-ups within as much again)
 STARTUP_SWEEP = {"repeats": 3, "budget_s": 3.0}
+#: a cached curve is checked at start-up on these (tokens, requests) points, and measured again when a point's
+#: median time is more than SPOT_CHECK_TOLERANCE times off its prediction (either way): a curve measured while
+#: the machine was busy, or a machine that changed, is not kept for good
+SPOT_CHECK_POINTS = ((1, 1), (8, 1))
+SPOT_CHECK_TOLERANCE = 1.5
 
 
 def device_name() -> str:
@@ -214,10 +219,27 @@ def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out
     return record, [s for s in timed if (s.num_tokens, s.num_reqs) in apart]
 
 
+def spot_check(run: Callable[[int, int], float], record: CostRecord, points: Sequence[tuple[int, int]] = SPOT_CHECK_POINTS,
+               tolerance: float = SPOT_CHECK_TOLERANCE, repeats: int = 3) -> str | None:
+    """None when ``record``'s curve predicts ``run``'s step times at ``points`` within ``tolerance`` (a factor,
+    either way; median of ``repeats`` after one warm-up), else what is off."""
+    model = record.step_model()
+    for tokens, reqs in points:
+        run(tokens, reqs)
+        measured = float(np.median([run(tokens, reqs) for _ in range(repeats)]))
+        predicted = model.predict(tokens, reqs)
+        if not 1 / tolerance <= measured / predicted <= tolerance:
+            return f"{tokens} tokens x {reqs} requests: {measured * 1e3:.1f} ms measured, {predicted * 1e3:.1f} ms cached"
+    return None
+
+
 def step_cost_model(runner: Any, cache: CostCache | None = None, refresh: bool = False,
                     **options: Any) -> tuple[StepCostModel, CostRecord]:
-    """The engine's step-cost model: from the cache when it holds this engine's curve, else measured and cached."""
-    record, _ = load_or_measure(cost_key(runner), lambda: sweep(runner, **options)[0], cache, refresh)
+    """The engine's step-cost model: from the cache when it holds this engine's curve and a spot check of a few
+    steps agrees with it, else measured (and cached when the sweep covered enough of the grid)."""
+    driver = StepDriver(runner, options.get("context_len", DEFAULT_CONTEXT_LEN))
+    record, _ = load_or_measure(cost_key(runner), lambda: sweep(runner, **options)[0], cache, refresh,
+                                check=lambda cached: spot_check(driver, cached))
     return record.step_model(), record
 
 

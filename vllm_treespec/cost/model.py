@@ -42,6 +42,9 @@ CACHE_SUBDIR = "cost_models"
 DEFAULT_ALPHA = 0.1
 #: one observation counts as at most this factor off the bucket's current correction (a GC pause is not a trend)
 MAX_OBSERVED_RATIO = 4.0
+#: a sweep with fewer single-request token counts than this (its grid ended early: the machine was busy) is used
+#: for the engine that measured it but not cached
+MIN_CACHED_POINTS = 4
 
 
 class StepSample(msgspec.Struct, frozen=True):
@@ -271,6 +274,10 @@ class CostRecord(msgspec.Struct, forbid_unknown_fields=True):
     def step_model(self, alpha: float = DEFAULT_ALPHA) -> StepCostModel:
         return StepCostModel.fit(self.samples, alpha)
 
+    @property
+    def single_request_points(self) -> int:
+        return len({s.num_tokens for s in self.samples if s.num_reqs == 1})
+
 
 def _key_difference(found: CostKey, wanted: CostKey) -> str:
     fields = [f for f in CostKey.__struct_fields__ if getattr(found, f) != getattr(wanted, f)]
@@ -351,12 +358,24 @@ def _format_version_of(data: bytes) -> int | None:
 
 
 def load_or_measure(key: CostKey, measure: Callable[[], CostRecord], cache: CostCache | None = None,
-                    refresh: bool = False) -> tuple[CostRecord, bool]:
-    """The cached record for ``key`` or a fresh ``measure()`` (then saved); returns (record, came from cache)."""
+                    refresh: bool = False, check: Callable[[CostRecord], str | None] | None = None
+                    ) -> tuple[CostRecord, bool]:
+    """The cached record for ``key`` or a fresh ``measure()``; returns (record, came from cache). ``check``: a
+    spot check of a cached record against the engine as it runs now (None when it holds, else why not: then one
+    log line and a fresh measurement). A fresh record is saved when it covers at least ``MIN_CACHED_POINTS``
+    token counts."""
     cache = cache or CostCache()
     record = None if refresh else cache.load(key)
     if record is not None:
-        return record, True
+        stale = check(record) if check is not None else None
+        if stale is None:
+            return record, True
+        logger.warning("vllm_treespec: the cached step-cost curve %s no longer fits this engine (%s); measuring "
+                       "again", cache.path(key), stale)
     record = measure()
-    cache.save(record)
+    if record.single_request_points >= MIN_CACHED_POINTS:
+        cache.save(record)
+    else:
+        logger.warning("vllm_treespec: the step-cost sweep covered %d token counts (the machine was busy?); using it "
+                       "for this engine, not caching it", record.single_request_points)
     return record, False

@@ -15,15 +15,25 @@ HOST_WINDOW = 64
 CALL_ALPHA = 0.2
 
 
-class RunningMedian:
-    """Median of the last ``window`` finite, non-negative samples; ``default`` before the first one."""
+#: first timings dropped: a first call compiles kernels (numba, torch) and allocates, and can take seconds; kept, it
+#: would make drafting look too dear to ever try again
+WARMUP_SAMPLES = 1
 
-    def __init__(self, window: int = HOST_WINDOW, default: float = 0.0) -> None:
+
+class RunningMedian:
+    """Median of the last ``window`` finite, non-negative samples after the first ``warmup``; ``default`` before
+    the first one."""
+
+    def __init__(self, window: int = HOST_WINDOW, default: float = 0.0, warmup: int = WARMUP_SAMPLES) -> None:
         self.samples: deque[float] = deque(maxlen=window)
         self.default = default
+        self.warmup = warmup
         self._median: float | None = None
 
     def add(self, value: float) -> None:
+        if self.warmup > 0:
+            self.warmup -= 1
+            return
         if math.isfinite(value) and value >= 0:
             self.samples.append(float(value))
             self._median = None
@@ -42,17 +52,22 @@ class RunningMedian:
 
 class CallCost:
     """Seconds per call of a drafter as a function of the requests it drafts for: an exponentially weighted mean
-    per power-of-two bucket of requests, interpolated in log2 between the buckets seen (flat beyond them); None
-    before the first timed call."""
+    per power-of-two bucket of requests, interpolated in log2 between the buckets seen (flat beyond them); the first
+    ``warmup`` calls of a bucket are not counted; None before the first counted call."""
 
-    def __init__(self, alpha: float = CALL_ALPHA) -> None:
+    def __init__(self, alpha: float = CALL_ALPHA, warmup: int = WARMUP_SAMPLES) -> None:
         self.alpha = alpha
+        self.warmup = warmup
         self.buckets: dict[int, float] = {}
+        self._seen: dict[int, int] = {}
 
     def observe(self, num_reqs: int, seconds: float) -> None:
         if num_reqs < 1 or not (math.isfinite(seconds) and seconds >= 0):
             return
         bucket = int(round(math.log2(num_reqs)))
+        self._seen[bucket] = self._seen.get(bucket, 0) + 1
+        if self._seen[bucket] <= self.warmup:
+            return
         old = self.buckets.get(bucket)
         self.buckets[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
