@@ -67,6 +67,15 @@ def _ingested_drafter(tmp_path, seed: int, depth: int, top_k: int):
     return drafter, ctx
 
 
+def sharpen(drafter, factor: float = 4.0) -> None:
+    """Scale the head's LM head; its layers' GEMMs are packed at load, so route them again."""
+    from vllm_treespec.eagle.cpu_gemm import use_vllm_cpu_gemm
+
+    with torch.no_grad():
+        drafter.head.lm_head.weight.mul_(factor)
+    use_vllm_cpu_gemm(drafter.head)
+
+
 def _path_log_scores(tree) -> np.ndarray:
     """Cumulative draft log-probability of every node's path."""
     scores = np.zeros(tree.num_nodes)
@@ -124,8 +133,7 @@ def test_frontier_pruning_keeps_the_same_tree_and_drafts_fewer_rows(tmp_path, se
     """Nodes scoring below the budget-th best node so far are not expanded (their descendants score lower still):
     the trees must be identical to growing every level in full, with fewer head rows drafted."""
     drafter, ctx = _ingested_drafter(tmp_path, seed=seed, depth=6, top_k=8)
-    with torch.no_grad():
-        drafter.head.lm_head.weight.mul_(4.0)  # peaky drafts, as a trained head's: the case pruning is for
+    sharpen(drafter)  # peaky drafts, as a trained head's: the case pruning is for
     saved = 0
     for budget in (4, 10, 16, 40):
         trees, rows = [], []
@@ -148,8 +156,7 @@ def test_checkpoint_stop_ends_expansion_where_the_best_path_is_unlikely(tmp_path
     """graft's checkpoints reach the drafter: below the threshold at depth d the request's tree stops at depth d (no
     head rows drafted past it); a threshold no path falls below changes nothing."""
     drafter, ctx = _ingested_drafter(tmp_path, seed=5, depth=6, top_k=4)
-    with torch.no_grad():
-        drafter.head.lm_head.weight.mul_(4.0)  # confident enough that the full tree goes deeper than 2
+    sharpen(drafter)  # confident enough that the full tree goes deeper than 2
     drafter.expanded_rows = 0
     full = drafter.draft(ctx, [0], budget=16)[0]
     full_rows, drafter.expanded_rows = drafter.expanded_rows, 0
@@ -174,8 +181,7 @@ def test_confidence_floor_keeps_exactly_the_likely_nodes_and_expands_fewer_rows(
     """``min_confidence``: the tree must be the unfloored tree's nodes whose path probability is at least the floor
     (closed under parents, same order), with no head rows spent expanding nodes below it."""
     drafter, ctx = _ingested_drafter(tmp_path, seed=6, depth=6, top_k=8)
-    with torch.no_grad():
-        drafter.head.lm_head.weight.mul_(4.0)  # peaky, so the floor cuts inside the tree, not at its root
+    sharpen(drafter)  # peaky, so the floor cuts inside the tree, not at its root
     drafter.expanded_rows = 0
     full = drafter.draft(ctx, [0], budget=24)[0]
     full_rows, drafter.expanded_rows = drafter.expanded_rows, 0
@@ -194,3 +200,23 @@ def test_confidence_floor_keeps_exactly_the_likely_nodes_and_expands_fewer_rows(
     with pytest.raises(ValueError, match="min_node_confidence.*0 fills the budget"):
         EagleTreeOptions(checkpoint=path, min_node_confidence=1.0)
     assert EagleTreeOptions(checkpoint=path, min_node_confidence=0.0).min_node_confidence == 0.0
+
+
+def test_the_heads_linear_layers_run_through_vllms_cpu_gemm(tmp_path):
+    """The loaded head's linear layers go through vLLM's CPU GEMM dispatch (what vLLM runs the target's through),
+    with the same results as torch's up to summation order, for 1-row and multi-row, 2-D and 3-D inputs."""
+    from vllm_treespec.eagle.cpu_gemm import use_vllm_cpu_gemm
+
+    head, path = small_head(tmp_path)
+    drafter = EagleDrafter(path, depth=2, top_k=2)
+    drafter.load(head.embed.weight)
+    linears = [m for m in drafter.head.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(hasattr(m, "cpu_linear") for m in linears)
+    reference = Eagle3Head.load(path, embed=head.embed.weight)
+    for (name, routed), (_, plain) in zip(drafter.head.named_modules(), reference.named_modules()):
+        if type(plain) is not torch.nn.Linear:
+            continue
+        for shape in [(1, plain.in_features), (5, plain.in_features), (2, 3, plain.in_features)]:
+            x = torch.randn(*shape)
+            torch.testing.assert_close(routed(x), plain(x), rtol=1e-5, atol=1e-5, msg=name)
+    assert use_vllm_cpu_gemm(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to route

@@ -29,6 +29,7 @@ import torch
 
 from vllm_treespec.api import DraftTree, ProposeContext
 from vllm_treespec.eagle.checkpoint import load_draft_head
+from vllm_treespec.eagle.cpu_gemm import use_vllm_cpu_gemm
 from vllm_treespec.eagle.kv_head import is_kv_aware_config
 from vllm_treespec.eagle.model import default_aux_layers
 from vllm_treespec.pruning import below_checkpoint
@@ -116,6 +117,7 @@ class EagleDrafter:
         self.head = load_draft_head(self.checkpoint, embed=embed.detach().to("cpu", torch.float32), dtype=dtype,
                                     default_aux_layers=self.aux_layers)
         self.head.eval().requires_grad_(False)
+        use_vllm_cpu_gemm(self.head)
         cfg = self.head.cfg
         self.kv_heads, self.heads, self.head_dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
