@@ -168,7 +168,8 @@ def shared_section() -> list[str]:
         f"verified per request per step, 1 to {MAX_NUM_SPECULATIVE_TOKENS} (vLLM verifies at most "
         f"{MAX_NUM_SPECULATIVE_TOKENS} drafts per step); a longer tree is cut to its first nodes |",
         "| `cost_budget` | bool | `true` | verify only the draft nodes that pay: at start-up the engine measures (or "
-        "loads from its cache folder) what a step costs by the tokens in it, learns the host time per step, the "
+        "loads from its cache folder, after a spot check of a few steps; a curve that no longer fits is measured "
+        "again) what a step costs by the tokens in it, learns the host time per step, the "
         "drafter's time per call and each source's acceptance rate while it serves, and each step admits the batch's "
         "nodes best-first while they raise the expected tokens per second (none when nothing pays: plain decoding, "
         "and the drafter sits out); nodes without `node_probs` are always kept. `false`: every tree verified as "
