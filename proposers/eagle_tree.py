@@ -106,10 +106,7 @@ class EagleTreeProposer(TreeProposer):
         super().__init__(vllm_config, options)
         opts: EagleTreeOptions = self.options
         checkpoint = opts.resolved_checkpoint()
-        option = f"{opts.method_name()} option 'checkpoint'"
-        if opts.checkpoint in (None, "auto"):
-            option += " (not given: the default head for the embedded SmolLM2 model)"
-        check_head_target(checkpoint, served_identity(vllm_config), option)
+        self.check_served_model(opts, vllm_config)
         self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=opts.depth,
                                                top_k=opts.top_k, dtype=opts.dtype,
                                                max_cached_requests=opts.max_cached_requests)
@@ -117,6 +114,13 @@ class EagleTreeProposer(TreeProposer):
         self.needs_kv_cache = self.drafter.reads_target_kv
         self.min_node_confidence = (opts.min_node_confidence if opts.min_node_confidence is not None else
                                     DEFAULT_MIN_NODE_CONFIDENCE[device_kind(vllm_config)])
+
+    @classmethod
+    def check_served_model(cls, options: EagleTreeOptions, vllm_config: Any) -> None:
+        option = f"{options.method_name()} option 'checkpoint'"
+        if options.checkpoint in (None, "auto"):
+            option += " (not given: the default head for the embedded SmolLM2 model)"
+        check_head_target(options.resolved_checkpoint(), served_identity(vllm_config), option)
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)

@@ -264,6 +264,13 @@ class TreeProposer:
         self.options = options
 
     # --- lifecycle -------------------------------------------------------------------------------------------
+    @classmethod
+    def check_served_model(cls, options: Any, vllm_config: Any) -> None:
+        """Called in the engine's main process when the speculative config is read, before any worker starts, with
+        the parsed options and a config holding the served ``model_config``: raise a ``ValueError`` naming the
+        option and the fix when these options cannot serve this model (so the user sees that message, not a
+        worker's start-up failure). Default: nothing to check."""
+
     def load_model(self, model: Any) -> None:
         """Called with the target model once it is loaded (vLLM's CPU runner calls it unconditionally).
         Subclasses that override it should call ``super().load_model(model)``."""

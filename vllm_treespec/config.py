@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -116,9 +117,11 @@ def _readable(e: msgspec.ValidationError) -> str:
     return msg
 
 
-def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | None
-              ) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool]:
-    """Rewrite a speculative-config dict for vLLM. Returns (spec, additional_config, is_tree_method)."""
+def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | None,
+              model_config: Any = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None, bool]:
+    """Rewrite a speculative-config dict for vLLM. Returns (spec, additional_config, is_tree_method). With the
+    served ``model_config``, the method's options are also checked against the model
+    (``TreeProposer.check_served_model``: e.g. a draft head trained for another model)."""
     if not spec:
         return spec, additional_config, False
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
@@ -131,6 +134,8 @@ def translate(spec: dict[str, Any] | None, additional_config: dict[str, Any] | N
     vllm_fields = _vllm_spec_fields() - {"method", "model"}
     ours = {k: v for k, v in spec.items() if k not in vllm_fields and k not in ("method", "model", COST_BUDGET_KEY)}
     options = parse_options(method, cls.options_type, ours)
+    if model_config is not None and options is not None:
+        cls.check_served_model(options, SimpleNamespace(model_config=model_config))
     cost_budget = spec.get(COST_BUDGET_KEY, True)
     if not isinstance(cost_budget, bool):
         raise TreeSpecConfigError(

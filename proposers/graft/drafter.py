@@ -72,6 +72,14 @@ class EagleModelDrafter(ModelDrafter):
         return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below)
 
 
+def check_head_path(checkpoint: str, vllm_config: Any) -> None:
+    """Refuse a head folder (``eagle_checkpoint`` given as a path) trained for another model than the served one."""
+    from vllm_treespec.eagle.target import check_head_target, served_identity
+
+    check_head_target(checkpoint, served_identity(vllm_config), "graft option 'eagle_checkpoint'",
+                      alternative=', or "eagle_checkpoint": "none" for retrieval-only trees')
+
+
 def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
                        top_k: int = 8) -> ModelDrafter | None:
     """The model drafter for ``eagle_checkpoint``; None for retrieval-only trees.
@@ -82,7 +90,7 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
     model: another one is refused."""
     if checkpoint in (None, "none"):
         return None
-    from vllm_treespec.eagle.target import check_head_target, mismatch_message, served_identity
+    from vllm_treespec.eagle.target import mismatch_message, served_identity
     from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
     served = served_identity(vllm_config)
@@ -98,6 +106,5 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
             return None
         checkpoint = str(path)
     else:
-        check_head_target(checkpoint, served, "graft option 'eagle_checkpoint'", alternative=', or "eagle_checkpoint": "none" for '
-                                                                  'retrieval-only trees')
+        check_head_path(checkpoint, vllm_config)
     return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)

@@ -19,7 +19,7 @@ from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
 from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree
 from vllm_treespec.proposers.graft.budget import budget_curve
 from vllm_treespec.proposers.graft.calibration import load_calibration
-from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter, load_model_drafter
+from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter, check_head_path, load_model_drafter
 from vllm_treespec.proposers.graft.growth import (DraftGrowth, draft_tree_levels, first_checkpoint_confidence,
                                                   grow_draft, tree_levels)
 from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, GraftOptions
@@ -257,6 +257,11 @@ class GraftProposer(TreeProposer):
     def learn_successors(self, tokens: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
         """Row ``tokens[i]`` of the successor table := the target's top-k after it (also used by offline replay)."""
         self.sources.learn(tokens, topk_ids, topk_probs)
+
+    @classmethod
+    def check_served_model(cls, options: GraftOptions, vllm_config: Any) -> None:
+        if options.eagle_checkpoint not in ("auto", "none", "kv_aware"):  # the defaults fall back, with a log line
+            check_head_path(options.eagle_checkpoint, vllm_config)
 
     def load_model(self, model: Any) -> None:
         super().load_model(model)

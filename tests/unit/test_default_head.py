@@ -245,3 +245,28 @@ def test_shipped_head_is_small_bf16_and_records_smollm2_as_target():
                                "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30}
     assert mismatches(cfg, SMOLLM2) == [] and mismatches(cfg, TINY)
     assert "TODO" not in (folder / "MODEL_CARD.md").read_text(), "fill the model card's TODOs"
+
+
+@pytest.mark.parametrize("spec,option", [
+    ({"method": "eagle_tree"}, "eagle_tree option 'checkpoint'"),
+    ({"method": "kv_aware"}, "kv_aware option 'checkpoint'"),
+    ({"method": "graft"}, "graft option 'eagle_checkpoint'"),
+])
+def test_a_head_for_another_model_is_refused_when_the_config_is_read(tmp_path, spec, option):
+    """In the engine's main process (EngineArgs.create_speculative_config -> translate with the served model's
+    config), so the user sees which option to fix instead of a worker's start-up failure."""
+    from vllm_treespec.config import translate
+
+    _, path = small_head(tmp_path)
+    spec = {**spec, option.split("'")[1]: path}
+    with pytest.raises(HeadTargetMismatch, match=rf"^{option}: .*hidden size {HIDDEN} vs 576"):
+        translate(spec, None, fake_vllm_config(hidden_size=576).model_config)
+    assert translate(spec, None, fake_vllm_config().model_config)[2]  # the model it was trained for
+    assert translate(spec, None)[2]  # no served model to compare with (tools that only check syntax)
+
+
+def test_graft_auto_is_not_refused_when_the_config_is_read(tmp_path, head_dirs):
+    from vllm_treespec.config import translate
+
+    place_head(tmp_path, head_dirs[1])  # a default head for another model: graft falls back to retrieval-only
+    assert translate({"method": "graft"}, None, fake_vllm_config(hidden_size=576).model_config)[2]

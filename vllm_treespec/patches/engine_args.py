@@ -1,4 +1,6 @@
-"""Patch of ``vllm.engine.arg_utils.EngineArgs`` (process 0): accept our method names in ``speculative_config``."""
+"""Patch of ``vllm.engine.arg_utils.EngineArgs`` (process 0): accept our method names in ``speculative_config``, and
+check the method's options against the served model there (a head for another model is refused with our message,
+not as a worker's start-up failure)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def apply(activate_tree_mode: Callable[[], None]) -> None:
     def create_speculative_config(original, self, target_model_config, target_parallel_config):
         from vllm_treespec import config
 
-        spec, extra, is_tree = config.translate(self.speculative_config, self.additional_config)
+        spec, extra, is_tree = config.translate(self.speculative_config, self.additional_config, target_model_config)
         if is_tree:
             config.check_parallelism(target_parallel_config)
             self.speculative_config, self.additional_config = spec, extra
