@@ -9,14 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >&2
-PY=.venv/bin/python
-HEAD=${HEAD:-$($PY -c 'from vllm_treespec.proposers.eagle_tree import default_head_path; print(default_head_path())')}
+source scripts/_head.sh
 DTYPE=${DTYPE:-float32}
 LIMIT=${LIMIT:-2}
-if [ ! -f "$HEAD/config.json" ]; then
-  echo "no EAGLE-3 head at $HEAD: run  .venv/bin/vllm-treespec train-eagle -o $HEAD  first" >&2
-  exit 2
-fi
 E="\"model\":\"$HEAD\""
 METHODS="none"
 METHODS+=";ngram:{\"num_speculative_tokens\":5,\"prompt_lookup_max\":4,\"prompt_lookup_min\":2}"
