@@ -219,8 +219,9 @@ def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out
     return record, [s for s in timed if (s.num_tokens, s.num_reqs) in apart]
 
 
-def spot_check(run: Callable[[int, int], float], record: CostRecord, points: Sequence[tuple[int, int]] = SPOT_CHECK_POINTS,
-               tolerance: float = SPOT_CHECK_TOLERANCE, repeats: int = 3) -> str | None:
+def spot_check(run: Callable[[int, int], float], record: CostRecord,
+               points: Sequence[tuple[int, int]] = SPOT_CHECK_POINTS, tolerance: float = SPOT_CHECK_TOLERANCE,
+               repeats: int = 3) -> str | None:
     """None when ``record``'s curve predicts ``run``'s step times at ``points`` within ``tolerance`` (a factor,
     either way; median of ``repeats`` after one warm-up), else what is off."""
     model = record.step_model()
@@ -229,7 +230,8 @@ def spot_check(run: Callable[[int, int], float], record: CostRecord, points: Seq
         measured = float(np.median([run(tokens, reqs) for _ in range(repeats)]))
         predicted = model.predict(tokens, reqs)
         if not 1 / tolerance <= measured / predicted <= tolerance:
-            return f"{tokens} tokens x {reqs} requests: {measured * 1e3:.1f} ms measured, {predicted * 1e3:.1f} ms cached"
+            return (f"{tokens} tokens x {reqs} requests: {measured * 1e3:.1f} ms measured, "
+                    f"{predicted * 1e3:.1f} ms cached")
     return None
 
 
