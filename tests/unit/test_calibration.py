@@ -30,9 +30,66 @@ def test_calibration_starts_at_the_raw_number_and_learns_the_rate():
     raw = np.array([0.05, 0.55, 0.95])
     assert np.allclose(cal(0, raw), raw)
     cal.observe(np.zeros(40, np.int64), np.full(40, 0.97), np.arange(40) == 0)
-    assert cal(0, np.array([0.95]))[0] == pytest.approx((1 + ACCEPTANCE_PRIOR_TRIALS * 0.95) / 48)
-    # one source id per node
-    assert cal(np.array([0, 1]), np.array([0.95, 0.95])).tolist() == pytest.approx([(1 + 8 * 0.95) / 48, 0.95])
+    m = ACCEPTANCE_PRIOR_TRIALS
+    source_rate = (1 + m * 0.95) / (40 + m)  # the bin's prior: the source's rate, from its raw number
+    assert cal(0, np.array([0.95]))[0] == pytest.approx((1 + m * source_rate) / (40 + m))
+    # one source id per node; a source without data keeps its raw numbers
+    assert cal(np.array([0, 1]), np.array([0.95, 0.95])).tolist() == pytest.approx(
+        [(1 + m * source_rate) / (40 + m), 0.95])
+
+
+def test_a_bin_without_data_starts_from_its_sources_rate_not_its_raw_number():
+    cal = AcceptanceCalibration(["suffix"])
+    cal.observe(np.zeros(200, np.int64), np.full(200, 0.95), np.arange(200) < 40)  # 20% at raw 0.95
+    m = ACCEPTANCE_PRIOR_TRIALS
+    source_rate = (40 + m * 0.65) / (200 + m)
+    assert cal(0, np.array([0.65]))[0] == pytest.approx(source_rate)  # bin 6 has no data
+    assert cal(0, np.array([0.65]))[0] < 0.25
+
+
+def test_depths_are_learned_apart():
+    """Root children and deep nodes in the same raw bin: each depth class gets its own rate, and the pooled rate
+    (graft's ranking, no depth) mixes both."""
+    cal = AcceptanceCalibration(["ngram"])
+    n = 400
+    cal.observe(np.zeros(n, np.int64), np.full(n, 0.95), np.arange(n) < n // 4, np.ones(n, np.int64))
+    cal.observe(np.zeros(n, np.int64), np.full(n, 0.95), np.arange(n) < n * 9 // 10, np.full(n, 5))
+    root, deep = cal(0, np.array([0.95, 0.95]), np.array([1, 7]))
+    assert root == pytest.approx(0.25, abs=0.02) and deep == pytest.approx(0.9, abs=0.02)
+    assert cal(0, np.array([0.95]))[0] == pytest.approx(0.575, abs=0.02)
+    assert cal(0, np.array([0.95]), np.array([2]))[0] == pytest.approx(0.95)  # depth 2 has no data yet
+
+
+def test_expectation_correction_scales_every_path_probability():
+    """Drafts that yield half of what the rates expected: the tracker halves root children's probabilities, so every
+    path probability (the allocator's gain) halves; deeper nodes keep their conditional rate."""
+    tracker = AcceptanceTracker(["suffix", "successor"])
+    correction = tracker.expectation
+    assert correction.factor == 1.0
+    for _ in range(400):
+        correction.observe(40.0, 20.0)
+    assert correction.factor == pytest.approx(0.5, abs=0.01)
+    calibrated = tracker.calibrate([TREE])[0]
+    assert calibrated.node_probs.tolist() == pytest.approx(
+        [0.95 * correction.factor, 0.35 * correction.factor, 0.55, 0.15], abs=1e-6)
+    for _ in range(500):
+        correction.observe(1.0, 10.0)
+    assert correction.factor == 2.0  # bounded
+    assert tracker.calibrate([TREE])[0].node_probs[0] == 1.0  # and a probability stays one
+
+
+def test_tracker_measures_expected_against_accepted():
+    tracker = AcceptanceTracker(["suffix", "successor"])
+    tracker.handed(["a"], [TREE], [TREE])
+    tracker.scheduled({"a": [10, 11, 12, 13]})
+    tracker.committed(["a"], [[10, 12, 99]])  # 10 then 12 accepted
+    # expected with the raw numbers (no data yet): 0.95 + 0.35 + 0.95 * 0.55 + 0.95 * 0.15
+    assert tracker.expectation.expected == pytest.approx(0.95 + 0.35 + 0.95 * 0.7, abs=1e-6)
+    assert tracker.expectation.accepted == 2.0
+    # learned by depth: 10 and 11 at depth 1 (10 accepted), 12 and 13 at depth 2 (12 accepted)
+    cal = tracker.calibration
+    assert cal.depth_trials[:, 0].sum() == 2 and cal.depth_trials[:, 1].sum() == 2
+    assert cal.depth_accepts[0, 0].sum() == 1 and cal.depth_accepts[0, 1].sum() == 1
 
 
 def test_node_sources_are_checked_and_kept_by_cuts():
@@ -62,9 +119,10 @@ def test_tracker_learns_from_what_was_scheduled_and_committed():
     # reached: 10 (accepted, suffix, raw 0.95) and its child 12 (rejected, suffix, raw 0.55); 11 was not scheduled
     assert cal.trials.sum() == 2 and cal.accepts[0, 9] == 1 and cal.trials[0, 5] == 1
     assert tracker.stats == {"learned_trees": 1, "learned_nodes": 2}
-    # the next calibration of those bins follows
-    again = tracker.calibrate([TREE])[0].node_probs
-    assert again[0] == pytest.approx((1 + 8 * 0.95) / 9) and again[2] == pytest.approx(8 * 0.55 / 9)
+    # the next calibration of those bins (10 at depth 1, 12 at depth 2) follows
+    root_prior, child_prior = (1 + 8 * 0.95) / 9, 8 * 0.55 / 9
+    assert cal(0, np.array([0.95, 0.55]), np.array([1, 2])).tolist() == pytest.approx(
+        [(1 + 8 * root_prior) / 9, 8 * child_prior / 9])
 
 
 def test_chains_teach_too_and_replaced_drafts_do_not():
@@ -107,7 +165,8 @@ def test_the_verifier_calibrates_for_the_budget_and_hands_proposers_the_calibrat
     # at 10 ms a token over a 50 ms step only the successor's 0.35 node pays; on the raw numbers 10 (0.95) would lead
     assert verifier.propose([[9]]) == [[11]]
     assert max(verifier.budget.last.gains) == pytest.approx(0.35)
-    assert np.isclose(verifier.budget.last.gains, (20 + 8 * 0.95) / 208).any()  # node 10, calibrated
+    source_rate = (20 + 8 * 0.95) / 208
+    assert np.isclose(verifier.budget.last.gains, (20 + 8 * source_rate) / 208).any()  # node 10, calibrated
     # an engine step: what was handed is scheduled and its outcome learned at the next propose
     verifier.budget = None
     proposer.trees = {"a": DraftTree(np.array([10, 11]), np.array([-1, -1], np.int32),

@@ -142,9 +142,11 @@ def test_acceptance_calibration_starts_at_the_raw_confidence_and_learns_the_obse
     # suffix nodes at raw ~0.95 were accepted 1 time in 40; successor nodes at raw ~0.55 every time
     cal.observe(np.zeros(40, np.int64), np.full(40, 0.97), np.arange(40) == 0)
     cal.observe(np.ones(40, np.int64), np.full(40, 0.52), np.ones(40, bool))
-    assert cal(0, np.array([0.95]))[0] == pytest.approx((1 + 8 * 0.95) / 48)
-    assert cal(1, np.array([0.55]))[0] == pytest.approx((40 + 8 * 0.55) / 48)
-    assert cal(1, np.array([0.95]))[0] == pytest.approx(0.95)  # other bins keep their prior
+    suffix_rate, successor_rate = (1 + 8 * 0.95) / 48, (40 + 8 * 0.55) / 48  # each bin's prior
+    assert cal(0, np.array([0.95]))[0] == pytest.approx((1 + 8 * suffix_rate) / 48)
+    assert cal(1, np.array([0.55]))[0] == pytest.approx((40 + 8 * successor_rate) / 48)
+    # a bin without data: the source's rate so far (its prior pulled to this node's raw number)
+    assert cal(1, np.array([0.95]))[0] == pytest.approx((40 + 8 * 0.95) / 48)
     assert cal.table()["successor"][5] == (1.0, 40)
 
 
@@ -162,7 +164,7 @@ def test_assemble_ranks_and_floors_nodes_by_calibrated_acceptance():
     built = assemble_tree(draft, grafts, budget=2, calibration=cal)
     assert built.tree.token_ids.tolist() == [20, 21] and built.sources.tolist() == [1, 1]
     assert np.allclose(built.raw_probs, 0.45)
-    assert built.tree.node_probs[0] == pytest.approx((180 + 8 * 0.45) / 208, rel=1e-6)
+    assert built.tree.node_probs[0] == pytest.approx((180 + 8 * (180 + 8 * 0.45) / 208) / 208, rel=1e-6)
     floored = assemble(draft, grafts, budget=4, min_score=0.1, calibration=cal)
     assert floored.token_ids.tolist() == [20, 21]  # suffix nodes: ~0.08 calibrated, below the floor
 

@@ -232,4 +232,6 @@ def budget_report(worker: Any) -> dict[str, Any]:
     """For ``LLM.collective_rpc``: the installed budget's counters and learnt costs (empty without one)."""
     verifier = getattr(worker.model_runner, "_treespec_verifier", None)
     budget = getattr(verifier, "budget", None)
-    return {} if budget is None else budget.report()
+    if budget is None:
+        return {}
+    return {**budget.report(), "expectation_factor": verifier.acceptance.expectation.factor}

@@ -7,8 +7,10 @@ learned target distributions, a head's softmax), and they are not on one scale a
 sources in ``TreeProposer.acceptance_sources`` and marks each node's source in ``DraftTree.node_sources`` (one
 source, "proposer", when it names none); :class:`AcceptanceTracker` then
 
-1. replaces each tree's ``node_probs`` by the calibrated rate of its node's source and raw-confidence bin
-   (:class:`AcceptanceCalibration`: the raw number until a bin has data);
+1. replaces each tree's ``node_probs`` by the calibrated rate of its node's source, depth class and raw-confidence
+   bin (:class:`AcceptanceCalibration`: the raw number until the source has data, the source's rate until the bin
+   has), and scales every path probability by how many drafts the last ~50 steps accepted against how many those
+   rates expected (:class:`ExpectationCorrection`);
 2. remembers the drafts each request was handed, cut to what vLLM scheduled (:meth:`AcceptanceTracker.scheduled`);
 3. when the next step's committed tokens arrive, walks each remembered tree along them (accepted drafts are the
    committed tokens but the last) and counts every node the target reached — root children and children of
@@ -24,25 +26,51 @@ from typing import Any, Sequence
 import numpy as np
 
 from vllm_treespec.api import DraftTree
+from vllm_treespec.cost.allocate import path_probs
 
 #: raw-confidence bins (uniform over a node's probability given its parent)
 ACCEPTANCE_BINS = 10
-#: pseudo-trials at the raw confidence before a bin has data: early estimates stay near the source's own number
+#: pseudo-trials of a bin's prior, and of a source's own prior at the raw number: early estimates stay near the
+#: source's rate so far, and near its raw number before it has one
 ACCEPTANCE_PRIOR_TRIALS = 8.0
+#: depth classes learned apart: a root child, its child, deeper. Pooled over depths, a bin's rate is mostly deep
+#: nodes of long accepted runs, and overstated a root child's by ~1.5x (batch-16 replay on MT-Bench)
+DEPTH_CLASSES = 3
 #: the source of every node of a proposer that names none
 DEFAULT_SOURCE = "proposer"
+#: per committed step, the weight the expected/accepted sums of :class:`ExpectationCorrection` keep (~50 steps)
+EXPECTATION_DECAY = 0.98
+#: pseudo-tokens on both sides of the correction: no correction before ~20 expected tokens were verified
+EXPECTATION_PRIOR = 20.0
+#: the correction's range
+EXPECTATION_LIMITS = (0.25, 2.0)
+
+
+def depth_class(depths: np.ndarray) -> np.ndarray:
+    """0 for root children, 1 for their children, ``DEPTH_CLASSES - 1`` for every node deeper."""
+    return np.clip(np.asarray(depths, np.int64), 1, DEPTH_CLASSES) - 1
 
 
 class AcceptanceCalibration:
-    """How often the target accepts a tree node, by source and by the node's raw confidence (its source's probability
-    of the token given the parent's path), counted over the nodes whose parent was accepted:
-    ``(accepts + m * raw) / (trials + m)`` per bin, ``m`` = :data:`ACCEPTANCE_PRIOR_TRIALS`, which is the raw number
-    until a bin has data."""
+    """How often the target accepts a tree node, by source, by the node's depth class and by its raw confidence (its
+    source's probability of the token given the parent's path), counted over the nodes whose parent was accepted.
+    A bin's rate is ``(accepts + m * prior) / (trials + m)``, ``m`` = :data:`ACCEPTANCE_PRIOR_TRIALS`, its prior the
+    source's rate at that depth over every bin, itself ``(accepts + m * raw) / (trials + m)``: the raw number before
+    the source has data, the source's own rate before the bin has. ``trials``/``accepts`` hold the counts pooled
+    over depths (sources x bins); ``depth_trials``/``depth_accepts`` by depth class (sources x classes x bins)."""
 
     def __init__(self, sources: Sequence[str]) -> None:
         self.names = list(sources)
-        self.trials = np.zeros((len(self.names), ACCEPTANCE_BINS))
-        self.accepts = np.zeros((len(self.names), ACCEPTANCE_BINS))
+        self.depth_trials = np.zeros((len(self.names), DEPTH_CLASSES, ACCEPTANCE_BINS))
+        self.depth_accepts = np.zeros((len(self.names), DEPTH_CLASSES, ACCEPTANCE_BINS))
+
+    @property
+    def trials(self) -> np.ndarray:
+        return self.depth_trials.sum(axis=1)
+
+    @property
+    def accepts(self) -> np.ndarray:
+        return self.depth_accepts.sum(axis=1)
 
     def source_id(self, name: str) -> int:
         return self.names.index(name)
@@ -51,26 +79,38 @@ class AcceptanceCalibration:
     def bins(raw: np.ndarray) -> np.ndarray:
         return np.clip((np.asarray(raw, np.float64) * ACCEPTANCE_BINS).astype(np.int64), 0, ACCEPTANCE_BINS - 1)
 
-    def __call__(self, source: int | np.ndarray, raw: np.ndarray) -> np.ndarray:
-        """Calibrated probabilities of nodes with sources ``source`` (one id, or one per node) and raw confidences
-        ``raw``."""
+    def __call__(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray | None = None) -> np.ndarray:
+        """Calibrated probabilities of nodes with sources ``source`` (one id, or one per node), raw confidences
+        ``raw`` and depths ``depth`` (1 = root child; None: pooled over depths)."""
         raw = np.clip(np.nan_to_num(np.asarray(raw, np.float64)), 0.0, 1.0)
         b = self.bins(raw)
-        rate = (self.accepts[source, b] + ACCEPTANCE_PRIOR_TRIALS * raw) / (self.trials[source, b] +
-                                                                           ACCEPTANCE_PRIOR_TRIALS)
-        return np.minimum(rate, 1.0)
+        if depth is None:
+            trials, accepts = self.trials[source], self.accepts[source]
+        else:
+            d = depth_class(depth)
+            trials, accepts = self.depth_trials[source, d], self.depth_accepts[source, d]
+        trials, accepts = np.broadcast_to(trials, raw.shape + (ACCEPTANCE_BINS,)), np.broadcast_to(
+            accepts, raw.shape + (ACCEPTANCE_BINS,))
+        m = ACCEPTANCE_PRIOR_TRIALS
+        prior = (accepts.sum(-1) + m * raw) / (trials.sum(-1) + m)
+        t_bin = np.take_along_axis(trials, b[..., None], -1)[..., 0]
+        a_bin = np.take_along_axis(accepts, b[..., None], -1)[..., 0]
+        return np.minimum((a_bin + m * prior) / (t_bin + m), 1.0)
 
-    def observe(self, sources: np.ndarray, raw: np.ndarray, accepted: np.ndarray) -> None:
-        """Count verified nodes (each one's parent was accepted): their sources, raw confidences, outcomes."""
+    def observe(self, sources: np.ndarray, raw: np.ndarray, accepted: np.ndarray,
+                depth: np.ndarray | None = None) -> None:
+        """Count verified nodes (each one's parent was accepted): their sources, raw confidences, outcomes and depths
+        (None: counted as root children)."""
         b = self.bins(raw)
-        np.add.at(self.trials, (sources, b), 1.0)
-        np.add.at(self.accepts, (sources, b), np.asarray(accepted, np.float64))
+        d = depth_class(np.ones(b.shape, np.int64) if depth is None else depth)
+        np.add.at(self.depth_trials, (sources, d, b), 1.0)
+        np.add.at(self.depth_accepts, (sources, d, b), np.asarray(accepted, np.float64))
 
     def observe_verified(self, results: Sequence[Any], last_trees: dict[str, Any]) -> None:
         """Count each verified tree's nodes whose parent was accepted (the target reached them) by source, from
         ``VerificationResult``s; ``last_trees``: what each request was last proposed, with per-node ``sources`` and
         ``raw_probs`` (popped here). For a proposer used without a verifier (offline replay)."""
-        sources, raws, accepted = [], [], []
+        sources, raws, accepted, depths = [], [], [], []
         for r in results:
             last = last_trees.pop(r.req_id, None)
             n = r.tree.num_nodes
@@ -85,14 +125,40 @@ class AcceptanceCalibration:
             sources.append(last.sources[:n][known])
             raws.append(last.raw_probs[:n][known])
             accepted.append(hit[known])
+            depths.append(r.tree.depths()[known])
         if sources:
-            self.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted))
+            self.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted),
+                         np.concatenate(depths))
 
     def table(self) -> dict[str, list[tuple[float, int]]]:
-        """Per source and bin: (acceptance rate, trials), (nan, 0) for a bin without data (to inspect what has been
-        learned)."""
+        """Per source and bin, pooled over depths: (acceptance rate, trials), (nan, 0) for a bin without data (to
+        inspect what has been learned)."""
+        trials, accepts = self.trials, self.accepts
         return {name: [(round(float(a / t), 3), int(t)) if t else (float("nan"), 0)
-                       for a, t in zip(self.accepts[i], self.trials[i])] for i, name in enumerate(self.names)}
+                       for a, t in zip(accepts[i], trials[i])] for i, name in enumerate(self.names)}
+
+
+class ExpectationCorrection:
+    """Accepted drafts over what the calibrated probabilities expected for them (the sum of the verified nodes' path
+    probabilities), both sums decayed per step: the per-bin rates lag (a fresh engine starts from the sources' raw
+    numbers) and assume a node's acceptance depends only on its own bin, and both errors overstate what wide trees
+    yield (~1.5x over a 128-token batch on MT-Bench). :attr:`factor` scales every path probability."""
+
+    def __init__(self, decay: float = EXPECTATION_DECAY, prior: float = EXPECTATION_PRIOR) -> None:
+        self.decay = decay
+        self.prior = prior
+        self.expected = 0.0
+        self.accepted = 0.0
+
+    def observe(self, expected: float, accepted: float) -> None:
+        """One step's verified drafts: their expected and their accepted token counts."""
+        self.expected = self.decay * self.expected + float(expected)
+        self.accepted = self.decay * self.accepted + float(accepted)
+
+    @property
+    def factor(self) -> float:
+        low, high = EXPECTATION_LIMITS
+        return float(np.clip((self.accepted + self.prior) / (self.expected + self.prior), low, high))
 
 
 def reached_nodes(parents: np.ndarray, accepted: np.ndarray) -> np.ndarray:
@@ -134,6 +200,7 @@ class AcceptanceTracker:
         self.calibration = AcceptanceCalibration(list(sources) or [DEFAULT_SOURCE])
         self._proposed: dict[str, _Handed] = {}
         self._scheduled: dict[str, _Handed] = {}
+        self.expectation = ExpectationCorrection()
         self.stats = {"learned_trees": 0, "learned_nodes": 0}
 
     def _sources_of(self, tree: DraftTree) -> np.ndarray:
@@ -147,18 +214,26 @@ class AcceptanceTracker:
 
     def calibrate(self, trees: Sequence[DraftTree | None]) -> list[DraftTree | None]:
         """The trees with ``node_probs`` replaced by calibrated acceptance probabilities (nodes of source -1 keep
-        their number); trees without ``node_probs`` unchanged."""
+        their number), root children scaled by the expectation correction (so every path probability is); trees
+        without ``node_probs`` unchanged."""
+        factor = self.expectation.factor
         out: list[DraftTree | None] = []
         for tree in trees:
             if tree is None or tree.node_probs is None or tree.num_nodes == 0:
                 out.append(tree)
                 continue
-            sources = self._sources_of(tree)
-            known = sources >= 0
-            probs = tree.node_probs.astype(np.float64)
-            probs[known] = self.calibration(sources[known], probs[known])
+            probs = self._calibrated(tree, self._sources_of(tree), tree.node_probs)
+            roots = tree.parents < 0
+            probs[roots] = np.minimum(probs[roots] * factor, 1.0)
             out.append(DraftTree(tree.token_ids, tree.parents, probs.astype(np.float32), tree.node_sources))
         return out
+
+    def _calibrated(self, tree: DraftTree, sources: np.ndarray, raw: np.ndarray) -> np.ndarray:
+        probs = np.asarray(raw, np.float64).copy()
+        known = sources >= 0
+        if known.any():
+            probs[known] = self.calibration(sources[known], probs[known], tree.depths()[known])
+        return probs
 
     def handed(self, req_ids: Sequence[str], raw_trees: Sequence[DraftTree | None],
                final_trees: Sequence[DraftTree | None]) -> None:
@@ -192,22 +267,31 @@ class AcceptanceTracker:
         scheduled, self._scheduled = self._scheduled, {}
         if not scheduled:
             return
-        sources, raws, accepted = [], [], []
+        sources, raws, accepted, depths = [], [], [], []
+        expected = hits = 0.0
         for req_id, tokens in zip(req_ids, sampled_token_ids):
             handed = scheduled.get(req_id)
             if handed is None or len(tokens) == 0:
                 continue
-            hit = accepted_walk(handed.tree, list(tokens)[:-1])
+            tree = handed.tree
+            hit = accepted_walk(tree, list(tokens)[:-1])
             if hit is None:
                 continue
-            known = reached_nodes(handed.tree.parents, hit) & (handed.sources >= 0)
+            # what the rates learned so far (uncorrected) expected of this tree, against what it yielded
+            probs = self._calibrated(tree, handed.sources, handed.raw)
+            expected += float(path_probs(DraftTree(tree.token_ids, tree.parents, probs, None)).sum())
+            hits += float(hit.sum())
+            known = reached_nodes(tree.parents, hit) & (handed.sources >= 0)
             sources.append(handed.sources[known])
             raws.append(handed.raw[known])
             accepted.append(hit[known])
+            depths.append(tree.depths()[known])
             self.stats["learned_trees"] += 1
             self.stats["learned_nodes"] += int(known.sum())
         if sources:
-            self.calibration.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted))
+            self.calibration.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted),
+                                     np.concatenate(depths))
+            self.expectation.observe(expected, hits)
 
     def forget(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
