@@ -197,6 +197,15 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
     steep = DraftGate(STEEP, probe_every=3)
     steep.record(trees)
     assert [steep.should_draft(1) for _ in range(5)] == [False, False, False, True, False]
+    # that probe's trees did not pay either: the next probe waits twice as long, and so on up to max_probe_every
+    assert steep.interval == 6 and [steep.should_draft(1) for _ in range(6)] == [False] * 5 + [True]
+    for _ in range(10):
+        while not steep.should_draft(1):
+            pass
+    assert steep.interval == steep.max_probe_every == 128
+    # a decision to draft resets it
+    steep.cost = FLAT
+    assert steep.should_draft(1) and not steep.probing and steep.interval == 3
 
     class Drafter:
         def __init__(self, seconds):

@@ -176,19 +176,25 @@ class DraftGate:
     """Whether running the drafter pays: the best rate its trees could reach — per-request marginal gains learnt
     from recent allocations' candidates (an exponentially weighted mean, best first), merged best-first across the
     batch — with the drafter's own seconds added to the step, against plain decoding's rate. With no history it
-    drafts; after ``probe_every`` consecutive skipped steps it drafts once to refresh what its trees are worth.
-    Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
+    drafts; after ``probe_every`` consecutive skipped steps it drafts once (a probe) to refresh what its trees are
+    worth. A probe after which drafting still does not pay doubles the wait for the next one, up to
+    ``max_probe_every`` (at 16 requests a probe's drafter call and trees cost ~2 plain steps: 16 steps apart, ~5% of
+    the throughput); a step that drafts again resets it. Feed it every drafted step's trees (:meth:`record`), before
+    or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
-                 probe_every: int = 16, overhead: float = 0.0) -> None:
+                 probe_every: int = 16, overhead: float = 0.0, max_probe_every: int = 128) -> None:
         self.cost = cost
         self.drafter_cost = drafter_cost
         self.alpha = alpha
         self.probe_every = probe_every
+        self.max_probe_every = max(max_probe_every, probe_every)
+        self.interval = probe_every  # skipped steps before the next probe
         self.overhead = overhead
         self.marginal: np.ndarray | None = None  # per-request expected gain of its j-th best node
         self.skipped = 0
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
+        self._after_probe = False  # no decision since the last probe
 
     def record(self, trees: Sequence[DraftTree | None]) -> None:
         """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
@@ -224,15 +230,19 @@ class DraftGate:
         self.probing = False
         if num_reqs <= 0:
             return False
-        if self.marginal is None or self.skipped >= self.probe_every:
+        if self.marginal is None or self.skipped >= self.interval:
             self.skipped = 0
-            self.probing = True
+            self.probing = self._after_probe = True
             return True
         # a drafter not timed yet counts as free: it drafts, and is timed
         drafter = (self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None) or 0.0
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
+        after_probe, self._after_probe = self._after_probe, False
         if best > plain:
             self.skipped = 0
+            self.interval = self.probe_every
             return True
+        if after_probe:  # what the probe learned does not pay either
+            self.interval = min(2 * self.interval, self.max_probe_every)
         self.skipped += 1
         return False
