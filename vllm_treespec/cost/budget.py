@@ -85,9 +85,12 @@ class StepBudget:
                       "probes": 0, "observed_steps": 0}
 
     @classmethod
-    def from_record(cls, record: CostRecord, max_nodes: int, drafter: str | None = None, **options: Any) -> StepBudget:
+    def from_record(cls, record: CostRecord, max_nodes: int, drafter: str | None = None,
+                    model: StepCostModel | None = None, **options: Any) -> StepBudget:
+        """``model``: the record's step model when the caller has fitted it already."""
         samples = record.drafters.get(drafter or "", [])
-        return cls(record.step_model(), max_nodes, CurveModel.fit(samples) if samples else None, **options)
+        drafter_cost = CurveModel.fit(samples) if samples else None
+        return cls(model if model is not None else record.step_model(), max_nodes, drafter_cost, **options)
 
     @classmethod
     def for_runner(cls, runner: Any, max_nodes: int, refresh: bool = False, sweep: dict[str, Any] | None = None,
@@ -97,8 +100,9 @@ class StepBudget:
         try:
             from vllm_treespec.cost.measure import step_cost_model
 
-            _, record = step_cost_model(runner, refresh=refresh, **(sweep or {}))
-            return cls.from_record(record, max_nodes, type(getattr(runner, "drafter", None)).__name__, **options)
+            model, record = step_cost_model(runner, refresh=refresh, **(sweep or {}))
+            return cls.from_record(record, max_nodes, type(getattr(runner, "drafter", None)).__name__, model,
+                                   **options)
         except Exception as e:  # noqa: BLE001 - a cost model is an optimisation, never a reason to fail start-up
             logger.warning("vllm_treespec: no step-cost model for this engine (%s: %s); trees run as proposed",
                            type(e).__name__, e)
