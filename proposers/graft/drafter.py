@@ -8,6 +8,7 @@ import logging
 from typing import Any, Sequence
 
 from vllm_treespec.api import DraftTree, ProposeContext
+from vllm_treespec.proposers.graft.options import DEFAULT_HEAD, KV_AWARE_HEAD, NO_HEAD
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -88,14 +89,14 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
     trained into the cache, each only if there is one and it was trained for the served model (else one log line
     says why not; without a served model to check against, none). A head folder given by path must fit the served
     model: another one is refused."""
-    if checkpoint in (None, "none"):
+    if checkpoint in (None, NO_HEAD):
         return None
     from vllm_treespec.eagle.target import mismatch_message, served_identity
     from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
     served = served_identity(vllm_config)
-    if checkpoint in ("auto", "kv_aware"):
-        path = default_kv_head_path("hidden" if checkpoint == "auto" else "hybrid")
+    if checkpoint in (DEFAULT_HEAD, KV_AWARE_HEAD):
+        path = default_kv_head_path("hidden" if checkpoint == DEFAULT_HEAD else "hybrid")
         if not (path / "config.json").is_file():
             return None
         if served is None:  # no served model to check the head against (unit tests): do not guess

@@ -19,6 +19,12 @@ DEFAULT_CHECKPOINTS = (1, 2, 6)
 DEFAULT_THRESHOLDS = (0.0, 0.4, 0.9)
 
 
+#: ``eagle_checkpoint`` values that name no folder: no head, the default EAGLE-3 head, the cache's KV-aware head
+NO_HEAD, DEFAULT_HEAD, KV_AWARE_HEAD = "none", "auto", "kv_aware"
+#: the named heads: each falls back to retrieval-only trees, with one log line, when there is none for the model
+NAMED_HEADS = (NO_HEAD, DEFAULT_HEAD, KV_AWARE_HEAD)
+
+
 class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: tree nodes per request at batch 1; None = the verify budget (num_speculative_tokens)
     budget: int | None = None
@@ -50,7 +56,7 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (one trained into the cache, else the one shipped for SmolLM2) if it was trained for the served model, else
     #: retrieval-only trees with one log line; "kv_aware" = the hybrid KV-aware head `vllm-treespec train-eagle
     #: --mode hybrid` wrote to the cache, if there is one; "none" = retrieval-only trees, no head
-    eagle_checkpoint: str = "auto"
+    eagle_checkpoint: str = DEFAULT_HEAD
     #: the model drafter's levels below the root (eagle_tree's ``depth``)
     eagle_depth: int = 6
     #: the model drafter's children per expanded node and nodes expanded per level (eagle_tree's ``top_k``)
@@ -120,7 +126,7 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"({len(self.thresholds)}) must have the same length")
         if self.datastore is not None:
             check_datastore_option("graft option 'datastore'", self.datastore)
-        if self.eagle_checkpoint not in ("auto", "none", "kv_aware"):
+        if self.eagle_checkpoint not in NAMED_HEADS:
             if not os.path.exists(self.eagle_checkpoint):
                 raise ValueError(f"graft option 'eagle_checkpoint': no such file or directory "
                                  f"{self.eagle_checkpoint!r}")

@@ -22,7 +22,7 @@ from vllm_treespec.proposers.graft.calibration import load_calibration
 from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter, check_head_path, load_model_drafter
 from vllm_treespec.proposers.graft.growth import (DraftGrowth, draft_tree_levels, first_checkpoint_confidence,
                                                   grow_draft, tree_levels)
-from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, GraftOptions
+from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, NAMED_HEADS, GraftOptions
 from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, RetrievalSources
 from vllm_treespec.retrieval import RetrievedTree, load_datastore
 from vllm_treespec.verify.calibration import AcceptanceCalibration
@@ -260,7 +260,7 @@ class GraftProposer(TreeProposer):
 
     @classmethod
     def check_served_model(cls, options: GraftOptions, vllm_config: Any) -> None:
-        if options.eagle_checkpoint not in ("auto", "none", "kv_aware"):  # the defaults fall back, with a log line
+        if options.eagle_checkpoint not in NAMED_HEADS:  # the named heads fall back, with a log line
             check_head_path(options.eagle_checkpoint, vllm_config)
 
     def load_model(self, model: Any) -> None:
