@@ -16,12 +16,14 @@
    methods (fast path, and with ``VLLM_TREESPEC_CPU_TREE_PATH=torch`` the torch path) are token-identical to bf16
    without speculation, on MT-Bench + HumanEval + ShareGPT prompts (ShareGPT from position 700 of the benchmark
    shuffle, those that fit 1024 tokens with their output: no default was chosen on them, the head never trained on
-   them).
+   them). ``--identical-probes K``: also runs whose every step verifies K drafts the target never accepts (each
+   commits one token from a K+1-row step), as vLLM's chain and as our tree: a chain's count shows what the step's
+   shape alone does to bf16 outputs, the tree's what our tree rows add.
 
     .venv/bin/python scripts/bench_tree_rows.py [--dtypes float32 bfloat16] [--batches 1 8] [--nodes 4 8 16 32]
         [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity]
         [--identical [--identical-methods suffix_tree graft] [--mt-bench 80] [--humaneval 40] [--sharegpt 0]
-                     [--max-tokens 128] [--identical-paths fast torch]]
+                     [--max-tokens 128] [--identical-paths fast torch] [--identical-probes 8 32]]
 
 Goals (issue 20): tree step <= 1.05 x chain step for every k, batch and dtype; tree attention <= 5% of the worker at
 16 nodes, fp32; bf16 identical-output counts of the tree methods within 5% of ngram's.
@@ -337,13 +339,17 @@ def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps:
 
 # --- 4. bf16 outputs identical to no speculation ----------------------------------------------------------------------
 def identical(methods: list[str], mt_bench: int, humaneval: int, sharegpt: int, max_tokens: int,
-              paths: list[str]) -> None:
+              paths: list[str], probes: list[int] = ()) -> None:
     from engine_helpers import chat_prompts, close, make_llm, token_ids
     from vllm import SamplingParams
 
+    import bench_tree_rows as worker_side  # this file, as the worker imports it
     from vllm_treespec.attn.cpu_fast import FORCE_PATH_ENV
     from vllm_treespec.tools.models import ensure_smollm2
 
+    if probes:
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships functions by pickle
+        os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
     model = str(ensure_smollm2())
     prompts = chat_prompts(model, limit_mt=mt_bench, limit_he=humaneval)
     if sharegpt:
@@ -366,13 +372,16 @@ def identical(methods: list[str], mt_bench: int, humaneval: int, sharegpt: int, 
           f"ShareGPT {sharegpt}), "
           f"{max_tokens} tokens, greedy; outputs token-identical to bf16 without speculation", flush=True)
 
-    def outputs(spec: dict | None, path: str | None = None) -> tuple[list[list[int]], float]:
+    def outputs(spec: dict | None, path: str | None = None,
+                draft: tuple[str, int] | None = None) -> tuple[list[list[int]], float]:
         if path is None:
             os.environ.pop(FORCE_PATH_ENV, None)
         else:
             os.environ[FORCE_PATH_ENV] = path
         llm = make_llm(model, spec, in_process=False, dtype="bfloat16", max_num_seqs=1)
         try:
+            if draft is not None:
+                llm.collective_rpc(worker_side.set_draft, args=draft)
             started = time.perf_counter()
             got = [token_ids(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
             return got, time.perf_counter() - started
@@ -390,8 +399,12 @@ def identical(methods: list[str], mt_bench: int, humaneval: int, sharegpt: int, 
             runs.append((f"{method} (fast path)", spec, None))
         if "torch" in paths:
             runs.append((f"{method} (torch path)", spec, "torch"))
-    for name, spec, path in runs:
-        got, seconds = outputs(spec, path)
+    runs = [(name, spec, path, None) for name, spec, path in runs]
+    for k in probes:  # every step verifies k drafts the target never accepts, as vLLM's chain or as our tree
+        for mode in ("chain", "tree"):
+            runs.append((f"{k} never-accepted, {mode}", switch_spec(k), None, (mode, k)))
+    for name, spec, path, draft in runs:
+        got, seconds = outputs(spec, path, draft)
         same = sum(a == b for a, b in zip(got, reference))
         print(f"  {name:26s}: {same:3d} of {len(prompts)} identical to no speculation ({seconds:.0f} s)", flush=True)
 
@@ -407,13 +420,16 @@ def main() -> None:
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--identical", action="store_true", help="run section 4 (long)")
-    parser.add_argument("--identical-methods", nargs="+", default=["suffix_tree", "graft"])
+    parser.add_argument("--identical-methods", nargs="*", default=["suffix_tree", "graft"])
     parser.add_argument("--mt-bench", type=int, default=80)
     parser.add_argument("--humaneval", type=int, default=40)
     parser.add_argument("--sharegpt", type=int, default=0, help="ShareGPT prompts, positions 700+ of the shuffle")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--identical-paths", nargs="+", choices=["fast", "torch"], default=["fast", "torch"],
                         help="CPU tree-attention paths to count (torch: the reference path before the fast one)")
+    parser.add_argument("--identical-probes", nargs="*", type=int, default=[], metavar="K",
+                        help="also count runs whose every step verifies K drafts the target never accepts, as "
+                             "vLLM's chain and as our tree: what a step's shape alone does to bf16 outputs")
     args = parser.parse_args()
     import torch
 
@@ -428,7 +444,7 @@ def main() -> None:
         engine_times(args.nodes, args.batches, args.dtypes, args.steps, args.repeats)
     if args.identical:
         identical(args.identical_methods, args.mt_bench, args.humaneval, args.sharegpt, args.max_tokens,
-                  args.identical_paths)
+                  args.identical_paths, args.identical_probes)
 
 
 if __name__ == "__main__":
