@@ -5,6 +5,8 @@
    against the float64 reference.
 2. Kernel (no engine): one layer's tree rows through the fast path vs the same rows as chains through vLLM's kernel
    (SmolLM2-135M's heads), median of alternating repeats.
+   ``--gemm-rows``: whether a row's output of each of the model's linear shapes, through vLLM's CPU GEMM dispatch,
+   depends on how many rows share the GEMM (a decode step computes one row; a verify step 1 + k).
 3. Engine: the embedded SmolLM2-135M, one engine per dtype with ``num_speculative_tokens`` = the largest k; each step
    drafts k nodes per request, as a random tree (verified by vllm_treespec) or as a k-token chain (verified by vLLM's
    own path), switched between runs by RPC. Draft tokens are rare vocabulary ids that greedy decoding never accepts,
@@ -21,7 +23,7 @@
    shape alone does to bf16 outputs, the tree's what our tree rows add.
 
     .venv/bin/python scripts/bench_tree_rows.py [--dtypes float32 bfloat16] [--batches 1 8] [--nodes 4 8 16 32]
-        [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity]
+        [--steps 24] [--repeats 2] [--skip-engine] [--skip-kernel] [--skip-fidelity] [--gemm-rows]
         [--identical [--identical-methods suffix_tree graft] [--mt-bench 80] [--humaneval 40] [--sharegpt 0]
                      [--max-tokens 128] [--identical-paths fast torch] [--identical-probes 8 32]]
 
@@ -264,6 +266,30 @@ def switch_spec(k: int) -> dict:
     return spec
 
 
+# --- 2b. GEMM rows -------------------------------------------------------------------------------------------------
+def gemm_rows(dtypes: list[str]) -> None:
+    """Does a row's output of each of SmolLM2-135M's linear shapes, through vLLM's CPU GEMM dispatch (as the target
+    runs them), depend on how many rows share the GEMM? Random weights and inputs; each row of an M-row GEMM against
+    the same row computed alone (the shape of a decode step)."""
+    import torch
+
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    torch.manual_seed(0)
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+    print("== GEMM rows: rows of an M-row GEMM whose output differs (any bit) from the row computed alone")
+    for dtype in dtypes:
+        for name, (n, k) in shapes.items():
+            layer = torch.nn.Linear(k, n, bias=False).to(getattr(torch, dtype))
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            x = torch.randn(40, k).to(layer.weight.dtype)
+            alone = torch.cat([layer.cpu_linear(x[r:r + 1], layer.weight, None) for r in range(x.shape[0])])
+            differ = {m: int((layer.cpu_linear(x[:m], layer.weight, None) != alone[:m]).any(dim=1).sum())
+                      for m in (2, 5, 9, 17, 33, 40)}
+            print(f"  {dtype:8s} {name:8s} {n}x{k}: " + ", ".join(f"M={m}: {d}" for m, d in differ.items()),
+                  flush=True)
+
+
 # --- 3. engine ------------------------------------------------------------------------------------------------------
 def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps: int, repeats: int) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships functions by pickle
@@ -419,6 +445,8 @@ def main() -> None:
     parser.add_argument("--skip-fidelity", action="store_true")
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--gemm-rows", action="store_true",
+                        help="also check whether a row's GEMM output depends on the rows sharing the GEMM (seconds)")
     parser.add_argument("--identical", action="store_true", help="run section 4 (long)")
     parser.add_argument("--identical-methods", nargs="*", default=["suffix_tree", "graft"])
     parser.add_argument("--mt-bench", type=int, default=80)
@@ -433,12 +461,14 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    if not args.skip_fidelity or not args.skip_kernel:
+    if not args.skip_fidelity or not args.skip_kernel or args.gemm_rows:
         torch._C.set_num_threads(1)  # as vLLM's CPU worker here
     if not args.skip_fidelity:
         fidelity()
     if not args.skip_kernel:
         kernel_times(args.nodes, args.batches, args.dtypes)
+    if args.gemm_rows:
+        gemm_rows(args.dtypes)
     if not args.skip_engine:
         print(f"== engine: SmolLM2-135M, {args.steps} steps per run, {args.repeats} runs per mode, alternating")
         engine_times(args.nodes, args.batches, args.dtypes, args.steps, args.repeats)
