@@ -33,9 +33,15 @@ def path_probs(tree: DraftTree) -> np.ndarray:
     """Acceptance probability of each node's whole path (float64, non-increasing from parent to child)."""
     if tree.node_probs is None:
         raise ValueError("the tree has no node_probs")
-    q = np.clip(np.nan_to_num(tree.node_probs.astype(np.float64), nan=0.0), 0.0, 1.0)
+    return path_products(tree.parents, tree.node_probs)
+
+
+def path_products(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """Per node (topological order), the product of ``probs`` along its path from the root, each factor clipped to
+    [0, 1] (NaN = 0)."""
+    q = np.clip(np.nan_to_num(np.asarray(probs, np.float64), nan=0.0), 0.0, 1.0)
     out = np.empty_like(q)
-    for i, p in enumerate(tree.parents.tolist()):
+    for i, p in enumerate(np.asarray(parents).tolist()):
         out[i] = q[i] if p < 0 else out[p] * q[i]
     return out
 

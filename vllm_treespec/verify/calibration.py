@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vllm_treespec.api import DraftTree
-from vllm_treespec.cost.allocate import path_probs
+from vllm_treespec.cost.allocate import path_products
 
 #: raw-confidence bins (uniform over a node's probability given its parent)
 ACCEPTANCE_BINS = 10
@@ -222,17 +222,18 @@ class AcceptanceTracker:
             if tree is None or tree.node_probs is None or tree.num_nodes == 0:
                 out.append(tree)
                 continue
-            probs = self._calibrated(tree, self._sources_of(tree), tree.node_probs)
+            probs = self._calibrated(self._sources_of(tree), tree.node_probs, tree.depths())
             roots = tree.parents < 0
             probs[roots] = np.minimum(probs[roots] * factor, 1.0)
             out.append(DraftTree(tree.token_ids, tree.parents, probs.astype(np.float32), tree.node_sources))
         return out
 
-    def _calibrated(self, tree: DraftTree, sources: np.ndarray, raw: np.ndarray) -> np.ndarray:
+    def _calibrated(self, sources: np.ndarray, raw: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities of nodes with these sources, raw numbers and depths (source -1: the raw number)."""
         probs = np.asarray(raw, np.float64).copy()
         known = sources >= 0
         if known.any():
-            probs[known] = self.calibration(sources[known], probs[known], tree.depths()[known])
+            probs[known] = self.calibration(sources[known], probs[known], depths[known])
         return probs
 
     def handed(self, req_ids: Sequence[str], raw_trees: Sequence[DraftTree | None],
@@ -277,15 +278,15 @@ class AcceptanceTracker:
             hit = accepted_walk(tree, list(tokens)[:-1])
             if hit is None:
                 continue
+            depth = tree.depths()
             # what the rates learned so far (uncorrected) expected of this tree, against what it yielded
-            probs = self._calibrated(tree, handed.sources, handed.raw)
-            expected += float(path_probs(DraftTree(tree.token_ids, tree.parents, probs, None)).sum())
+            expected += float(path_products(tree.parents, self._calibrated(handed.sources, handed.raw, depth)).sum())
             hits += float(hit.sum())
             known = reached_nodes(tree.parents, hit) & (handed.sources >= 0)
             sources.append(handed.sources[known])
             raws.append(handed.raw[known])
             accepted.append(hit[known])
-            depths.append(tree.depths()[known])
+            depths.append(depth[known])
             self.stats["learned_trees"] += 1
             self.stats["learned_nodes"] += int(known.sum())
         if sources:
