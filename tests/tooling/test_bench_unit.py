@@ -201,3 +201,25 @@ def test_repeats_go_round_robin_and_a_failing_method_stops_alone(monkeypatch):
     by = {r.spec.label: r for r in results}
     assert by["bad"].status == "failed" and "boom" in by["bad"].reason and by["bad"].repeats == []
     assert len(by["a"].repeats) == len(by["none"].repeats) == 2
+
+
+def test_bench_serve_summarises_the_servers_budget_trace_per_level(tmp_path):
+    """A server that wrote a budget trace gets each level's summary (the steps inside that level's window) and the
+    table's share of steps that verified drafts; a server without one (no speculation) gets neither."""
+    from vllm_treespec.cost.trace import _encoder
+    from vllm_treespec.tools.bench_serve import add_budget_trace, format_table
+
+    steps = [{"t": 1.0, "reqs": 1, "tokens": 5, "gate": "draft", "admitted": 4, "accepted": 2},
+             {"t": 2.0, "reqs": 1, "tokens": 1, "gate": "skip"},
+             {"t": 11.0, "reqs": 4, "tokens": 4, "gate": "skip"}]
+    path = tmp_path / "budget-graft-r1.jsonl.123"
+    path.write_bytes(b"".join(_encoder.encode(s) + b"\n" for s in steps))
+    entry = _serve_entry("graft", {"1": 30.0, "4": 50.0}, 1)
+    add_budget_trace(entry, [path], {"1": (0.5, 2.5), "4": (10.0, 12.0)})
+    assert entry["levels"]["1"]["budget"]["verifying_steps"] == 1 and entry["levels"]["1"]["budget"]["steps"] == 2
+    assert entry["levels"]["4"]["budget"]["drafted"] == 0
+    plain = _serve_entry("none", {"1": 20.0, "4": 50.0}, 2)
+    add_budget_trace(plain, [], {"1": (0.5, 2.5)})
+    assert "budget" not in plain["levels"]["1"] and "budget_trace" not in plain
+    table = format_table([plain, entry])
+    assert " 50% " in table and " 0% " in table

@@ -201,6 +201,7 @@ class DraftGate:
         self.skipped = 0
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
         self._after_probe = False  # no decision since the last probe
+        self.last_rates: tuple[float, float] | None = None  # (best with drafting, plain) of the last priced decision
 
     def record(self, trees: Sequence[DraftTree | None]) -> None:
         """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
@@ -234,6 +235,7 @@ class DraftGate:
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None) -> bool:
         self.probing = False
+        self.last_rates = None
         if num_reqs <= 0:
             return False
         if self.marginal is None or self.skipped >= self.interval:
@@ -243,6 +245,7 @@ class DraftGate:
         # a drafter not timed yet counts as free: it drafts, and is timed
         drafter = (self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None) or 0.0
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
+        self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
         if best > plain:
             self.skipped = 0

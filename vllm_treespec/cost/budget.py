@@ -31,6 +31,7 @@ from vllm_treespec.api import DraftTree
 from vllm_treespec.cost.allocate import Allocation, DraftGate, allocate
 from vllm_treespec.cost.model import CostRecord, CurveModel, StepCostModel
 from vllm_treespec.cost.online import CallCost, RunningMedian
+from vllm_treespec.cost.trace import BudgetTrace
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -83,6 +84,7 @@ class StepBudget:
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
                       "probes": 0, "observed_steps": 0}
+        self.trace = BudgetTrace.from_env()
 
     @classmethod
     def from_record(cls, record: CostRecord, max_nodes: int, drafter: str | None = None,
@@ -118,6 +120,10 @@ class StepBudget:
         self.gate.overhead = self.tree_work.seconds
         draft = self.gate.should_draft(num_reqs, self.max_nodes)
         self.stats["skipped_drafts"] += not draft
+        if self.trace is not None:
+            rates = self.gate.last_rates
+            self.trace.plan(gate="probe" if self.gate.probing else "draft" if draft else "skip",
+                            **({"best": rates[0], "plain": rates[1]} if rates is not None else {}))
         return draft
 
     def drafted(self, num_reqs: int, seconds: float) -> None:
@@ -141,6 +147,8 @@ class StepBudget:
         self.stats["probes"] += self.gate.probing
         self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)
         self.stats["admitted_nodes"] += allocation.total_nodes
+        if self.trace is not None:
+            self.trace.plan(admitted=allocation.total_nodes, expected=allocation.expected_tokens)
         return allocation.trees
 
     def step_started(self, num_tokens: int, num_reqs: int) -> None:
@@ -156,6 +164,9 @@ class StepBudget:
                 self.step_time.host.add(max(host, 0.0))
         self._cycle_other = 0.0
         self._step = (int(num_tokens), int(num_reqs), now)
+        if self.trace is not None:
+            self.trace.step(int(num_reqs), int(num_tokens))
+            self.trace.note(host_ms=self.host_seconds * 1e3)
         self._previous = (now, int(num_tokens), int(num_reqs), None) if num_tokens > 0 and num_reqs > 0 else None
 
     def step_finished(self) -> None:
@@ -169,6 +180,8 @@ class StepBudget:
             self.cost.observe(num_tokens, num_reqs, seconds)
             self._previous = (started, num_tokens, num_reqs, seconds)
             self.stats["observed_steps"] += 1
+            if self.trace is not None:
+                self.trace.note(forward_ms=seconds * 1e3)
 
     def tree_worked(self, seconds: float) -> None:
         """The verifier's host work of a step that verified trees (attach, acceptance, KV compaction)."""

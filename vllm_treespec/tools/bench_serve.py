@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from vllm_treespec.cost import trace
+from vllm_treespec.cost.trace import TRACE_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import load_questions
 from vllm_treespec.tools.bench import parse_methods, unavailable_reason
@@ -76,13 +78,19 @@ def level_stats(replies: list[Reply], wall_s: float) -> dict[str, Any]:
     }
 
 
-def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, out_dir: Path,
+               round_index: int = 0) -> dict[str, Any]:
     from tqdm import tqdm
 
     entry: dict[str, Any] = {"label": spec.label, "method": spec.method,
                              "speculative_config": spec.speculative_config(), "levels": {}}
     log_path = out_dir / f"server-{spec.label}.log"
-    server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path)
+    trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
+    for stale in out_dir.glob(f"{trace_path.name}.*"):
+        stale.unlink()
+    server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path,
+                           env={TRACE_ENV: str(trace_path)})
+    windows: dict[str, tuple[float, float]] = {}
     entry["port"] = server.port
     started = time.perf_counter()
     try:
@@ -99,8 +107,10 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
                 n = max(args.requests_per_level, concurrency)
                 batch = [prompts[(sent + i) % len(prompts)] for i in range(n)]
                 sent += n
+                opened = time.time()
                 replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
                                                       args.temperature))
+                windows[str(concurrency)] = (opened, time.time())
                 entry["levels"][str(concurrency)] = level_stats(replies, wall)
         entry["rss"] = rss.summary()
         entry["status"] = "ok" if server.alive() else "crashed"
@@ -108,7 +118,19 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
         entry.update(status="failed", reason=str(e).splitlines()[0], log=str(log_path))
     finally:
         server.stop()
+    add_budget_trace(entry, sorted(out_dir.glob(f"{trace_path.name}.*")), windows)
     return entry
+
+
+def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
+    """Each level's summary of the server's budget trace (:mod:`vllm_treespec.cost.trace`), when it wrote one."""
+    if not paths:
+        return
+    entry["budget_trace"] = [str(p) for p in paths]
+    lines = trace.read(paths)
+    for level, (start, end) in windows.items():
+        if level in entry["levels"]:
+            entry["levels"][level]["budget"] = trace.summarize(lines, start, end)
 
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,9 +169,16 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
                 s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
 
 
+def verify_share(budget: dict[str, Any] | None) -> str:
+    """The share of the level's engine steps that verified drafts (from the budget trace), e.g. ``41%``."""
+    if not budget or not budget.get("steps"):
+        return "-"
+    return f"{100 * budget['verifying_steps'] / budget['steps']:.0f}%"
+
+
 def format_table(methods: list[dict[str, Any]]) -> str:
     header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "req/s", "TTFT p50", "TTFT p99",
-              "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "rounds tok/s"]
+              "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "rounds tok/s"]
     table = [header]
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
     for m in methods:
@@ -163,7 +192,7 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
                           ratio, paired, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
                           ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
-                          f"{s['tokens_per_chunk']:.2f}", rounds or "-"])
+                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), rounds or "-"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]
@@ -257,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             if args.repeats > 1:
                 print(f"round {r + 1}/{args.repeats}: {spec.label}", file=sys.stderr)
-            rounds[spec.label].append(run_method(spec, prompts, args, out_dir))
+            rounds[spec.label].append(run_method(spec, prompts, args, out_dir, r))
     methods = [{"label": spec.label, "method": spec.method, "status": "skipped", "reason": skipped[spec.label]}
                if skipped[spec.label] else merge_rounds(rounds[spec.label]) for spec in specs]
     add_ratios(methods)

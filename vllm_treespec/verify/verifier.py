@@ -123,6 +123,8 @@ class TreeVerifier:
         trees = proposed
         if self.budget is not None:
             trees = self.budget.admit(self.acceptance.calibrate(proposed), num_reqs)
+            if self.budget.trace is not None:
+                self.budget.trace.plan(factor=self.acceptance.expectation.factor)
         if tracking:
             self.acceptance.handed(req_ids, proposed, trees)
         drafts, self.pending = flatten_trees(ctx, trees,
@@ -224,6 +226,8 @@ class TreeVerifier:
             self._tree_seconds += time.perf_counter() - started
         if self.budget is not None:
             self.budget.tree_worked(self._tree_seconds)
+            if self.budget.trace is not None:
+                self.budget.trace.note(accepted=int(out_len.sum()))
         return output
 
     # --- KV compaction --------------------------------------------------------------------------------------------

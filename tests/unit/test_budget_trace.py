@@ -1,0 +1,78 @@
+"""The budget trace (``VLLM_TREESPEC_BUDGET_TRACE``): one line per engine step, with what the proposer's call decided
+for that step (gate, admitted nodes) and what its verification measured (forward time, accepted drafts); summaries
+per time window; off when the variable is unset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fake_runner import FakeProposer, FakeRequest, fake_runner, recording_layer, schedule
+
+from vllm_treespec.api import DraftTree
+from vllm_treespec.attn import plan
+from vllm_treespec.cost import trace
+from vllm_treespec.cost.budget import StepBudget
+from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
+from vllm_treespec.verify.verifier import TreeVerifier
+
+SCORED = DraftTree(np.array([10, 11, 12, 13]), np.array([-1, -1, 0, 0], np.int32),
+                   np.array([0.9, 0.05, 0.8, 0.1], np.float32))
+
+
+@pytest.fixture(autouse=True)
+def no_published_batch():
+    yield
+    plan.publish(None)
+
+
+def flat_budget(max_nodes=8):
+    tokens = np.arange(1, 40)
+    return StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes)
+
+
+def test_no_trace_unless_the_variable_is_set(monkeypatch):
+    monkeypatch.delenv(trace.TRACE_ENV, raising=False)
+    assert flat_budget().trace is None
+
+
+def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
+    monkeypatch.setenv(trace.TRACE_ENV, str(tmp_path / "budget.jsonl"))
+    runner = fake_runner([FakeRequest("a", [1, 2, 3, 4, 9], [3, 0])], 8)
+    verifier = TreeVerifier(runner, FakeProposer({"a": SCORED}))
+    verifier._layers = [recording_layer()]
+    verifier.budget = flat_budget()
+    assert verifier.budget.trace is not None
+    drafts = verifier.propose([[9]])  # the first call: no history, so the gate probes; on a flat curve all 4 pay
+    for _ in range(2):
+        scheduler_output, num_scheduled = schedule(runner, {"a": drafts[0]})
+        verifier.attach(scheduler_output, num_scheduled)
+        verifier.sample(lambda logits, metadata: "vllm's", torch.zeros(int(num_scheduled.sum()), 8), None)
+        drafts = verifier.propose([[9]])
+    verifier.budget.trace.close()
+    (path,) = tmp_path.glob("budget.jsonl.*")
+    lines = trace.read([path])
+    assert len(lines) == 2
+    first = lines[0]
+    assert first["gate"] == "probe" and first["admitted"] == 4 and first["tokens"] == 5 and first["reqs"] == 1
+    assert first["factor"] == pytest.approx(1.0) and first["forward_ms"] >= 0.0
+    assert lines[1]["gate"] == "draft" and lines[1]["best"] > lines[1]["plain"] > 0
+    summary = trace.summarize(lines)
+    assert summary["steps"] == 2 and summary["drafted"] == 2 and summary["probes"] == 1
+    assert summary["verifying_steps"] == 2 and summary["admitted_per_verifying_step"] == 4
+
+
+def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):
+    lines = [{"t": 1.0, "reqs": 2, "tokens": 2, "gate": "skip"},
+             {"t": 2.0, "reqs": 2, "tokens": 10, "gate": "draft", "admitted": 8, "accepted": 3, "factor": 0.5},
+             {"t": 3.0, "reqs": 0, "tokens": 0},
+             {"t": 4.0, "reqs": 1, "tokens": 1, "gate": "probe", "admitted": 0, "factor": 1.0}]
+    path = tmp_path / "t.jsonl.1"
+    path.write_bytes(b"\n".join(trace._encoder.encode(line) for line in reversed(lines)) + b"\n{\"t\": 5")
+    read = trace.read([path])  # time order, the torn last line dropped
+    assert [line["t"] for line in read] == [1.0, 2.0, 3.0, 4.0]
+    whole = trace.summarize(read)
+    assert whole["steps"] == 3 and whole["drafted"] == 2 and whole["probes"] == 1 and whole["verifying_steps"] == 1
+    assert whole["accepted_per_verifying_step"] == 3 and whole["mean_factor"] == pytest.approx(0.75)
+    assert trace.summarize(read, 1.5, 3.5)["steps"] == 1
+    assert trace.summarize(read, 10.0) == {"steps": 0}

@@ -1,0 +1,110 @@
+"""A per-step record of the budget's decisions, for finding out why a server drafts (or does not) under load.
+
+Set ``VLLM_TREESPEC_BUDGET_TRACE=/path/trace.jsonl`` in the server's environment: every worker with a step budget
+appends one JSON line per engine step (``.<pid>`` is added to the name, so several workers never share a file):
+
+    t          wall-clock seconds at the forward's start (``time.time()``, to align with a client's clock)
+    reqs       requests in the step;  tokens: tokens in the forward;  forward_ms: its measured time
+    host_ms    the host time per step the budget charges (a running median)
+    gate       "draft", "probe" or "skip" (the drafter gate's decision), absent when the gate was not asked
+    best, plain  the gate's predicted rates (tokens/s) with drafting and without, when it decided on them
+    admitted   draft nodes the allocator kept;  expected: tokens it expected of the step (plain ones included)
+    factor     the acceptance tracker's expectation correction;  accepted: drafts the step's verification accepted
+
+:func:`summarize` condenses the lines of a time window (one load level of ``bench serve``). Tracing costs a dict and
+a write per step; it is off unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import IO, Any, Iterable
+
+import msgspec
+
+TRACE_ENV = "VLLM_TREESPEC_BUDGET_TRACE"
+
+_encoder = msgspec.json.Encoder()
+
+
+class BudgetTrace:
+    """One line per step. What the proposer's call decides (gate, admitted nodes) is for the *next* forward
+    (:meth:`plan`); what the sampler learns (forward time, accepted drafts) is the current one's (:meth:`note`)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.current: dict[str, Any] | None = None
+        self.planned: dict[str, Any] = {}
+
+    @classmethod
+    def from_env(cls) -> BudgetTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        if not path:
+            return None
+        target = Path(f"{path}.{os.getpid()}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return cls(open(target, "ab"))  # noqa: SIM115 - lives as long as the worker
+
+    def note(self, **fields: Any) -> None:
+        """Fields of the step whose forward started last."""
+        if self.current is not None:
+            self.current.update(fields)
+
+    def plan(self, **fields: Any) -> None:
+        """Fields of the next step (decided after this one's sampling)."""
+        self.planned.update(fields)
+
+    def step(self, reqs: int, tokens: int) -> None:
+        """A forward starts: write the previous step's line, begin this one's."""
+        self._write()
+        self.current = {"t": time.time(), "reqs": reqs, "tokens": tokens, **self.planned}
+        self.planned = {}
+
+    def _write(self) -> None:
+        if self.current is not None:
+            self.stream.write(_encoder.encode(self.current) + b"\n")
+            self.stream.flush()  # a worker is often killed, not closed; a step is tens of ms, a write microseconds
+            self.current = None
+
+    def close(self) -> None:
+        self._write()
+        self.stream.flush()
+
+
+def read(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every line of the trace files, in time order (a torn last line is skipped)."""
+    lines = []
+    for path in paths:
+        for raw in Path(path).read_bytes().splitlines():
+            try:
+                lines.append(msgspec.json.decode(raw))
+            except msgspec.DecodeError:
+                continue
+    return sorted(lines, key=lambda line: line.get("t", 0.0))
+
+
+def summarize(lines: list[dict[str, Any]], start: float | None = None, end: float | None = None) -> dict[str, Any]:
+    """The steps between ``start`` and ``end`` (wall-clock): how many, the share that drafted and probed, admitted
+    nodes and accepted drafts per verifying step, mean expectation factor and forward time."""
+    steps = [s for s in lines if (start is None or s["t"] >= start) and (end is None or s["t"] <= end)
+             and s.get("reqs", 0) > 0]
+    if not steps:
+        return {"steps": 0}
+    asked = [s for s in steps if "gate" in s]
+    verifying = [s for s in steps if s.get("admitted", 0) > 0]
+    factors = [s["factor"] for s in steps if "factor" in s]
+    return {
+        "steps": len(steps),
+        "mean_reqs": sum(s["reqs"] for s in steps) / len(steps),
+        "gate_asked": len(asked),
+        "drafted": sum(s["gate"] != "skip" for s in asked),
+        "probes": sum(s["gate"] == "probe" for s in asked),
+        "verifying_steps": len(verifying),
+        "admitted_per_verifying_step": sum(s["admitted"] for s in verifying) / max(len(verifying), 1),
+        "accepted_per_verifying_step": sum(s.get("accepted", 0) for s in verifying) / max(len(verifying), 1),
+        "mean_factor": sum(factors) / len(factors) if factors else None,
+        "forward_ms": sum(s.get("forward_ms", 0.0) for s in steps) / len(steps),
+        "host_ms": steps[-1].get("host_ms"),
+    }
