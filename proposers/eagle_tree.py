@@ -136,5 +136,8 @@ class EagleTreeProposer(TreeProposer):
                 trees[i] = tree
         return trees
 
+    def observe(self, ctx: ProposeContext) -> None:
+        self.drafter.observe(ctx)
+
     def on_requests_finished(self, req_ids: set[str]) -> None:
         self.drafter.release(req_ids)

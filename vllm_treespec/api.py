@@ -280,6 +280,11 @@ class TreeProposer:
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         raise NotImplementedError
 
+    def observe(self, ctx: ProposeContext) -> None:
+        """Called instead of :meth:`propose_trees` on a step the verifier's budget decided not to draft (its trees
+        would not pay for their verification): keep per-request state that follows every committed token current
+        (a draft head's own KV cache), so that drafts are as good when drafting resumes. Default: nothing."""
+
     def use_acceptance(self, calibration: Any) -> None:
         """Called by the verifier with the acceptance calibration it learns online for this proposer
         (:class:`vllm_treespec.verify.calibration.AcceptanceCalibration`: ``calibration(source_id, raw)`` -> rates),

@@ -36,6 +36,10 @@ class ModelDrafter(abc.ABC):
     def ingest(self, ctx: ProposeContext) -> None:
         """Called every step the drafter drafts, for every request (e.g. to read newly committed hidden states)."""
 
+    def observe(self, ctx: ProposeContext) -> None:
+        """Called on every step it does not draft, for every request: keep state that follows each committed token
+        (its own KV cache) current at the least cost."""
+
     def release(self, req_ids: set[str]) -> None:
         """Requests that finished; drop their state."""
 
@@ -65,6 +69,10 @@ class EagleModelDrafter(ModelDrafter):
 
     def ingest(self, ctx: ProposeContext) -> None:
         self._ready = set(self.drafter.ingest(ctx))
+
+    def observe(self, ctx: ProposeContext) -> None:
+        self._ready = set()
+        self.drafter.observe(ctx)
 
     def release(self, req_ids: set[str]) -> None:
         self.drafter.release(req_ids)

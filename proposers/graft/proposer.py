@@ -140,6 +140,10 @@ class GraftProposer(TreeProposer):
         return self.head_gate.should_draft(num_drafting, budget)
 
     # --- proposing -------------------------------------------------------------------------------------------------
+    def observe(self, ctx: ProposeContext) -> None:
+        if self.drafter is not None:
+            self.drafter.observe(ctx)
+
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
         budget = self.budget(ctx)
@@ -147,10 +151,12 @@ class GraftProposer(TreeProposer):
         use_drafter = self.head_drafts(ctx, budget, len(rows))
         started = time.perf_counter()
         if use_drafter:
-            # When the head will not draft (zero budget at high load, a batch above model_draft_max_batch, or its
-            # gate) it does not read this step's rows either: that cost 12-14% of throughput at 4-16 requests. Rows
-            # it skips stay masked out of its KV (drafts get worse after a busy spell; verification keeps them exact).
             self.drafter.ingest(ctx)
+        elif self.drafter is not None:
+            # the head does not draft (zero budget, a batch above model_draft_max_batch, or its gate): it only writes
+            # this step's K/V. Ingesting (attention and LM head for each row) cost 12-14% of throughput at 4-16
+            # requests; writing nothing left holes in its cache that made its drafts worse after every busy spell.
+            self.drafter.observe(ctx)
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if budget <= 0 or not rows:
             return trees

@@ -90,12 +90,16 @@ class FakeProposer(TreeProposer):
         self.trees = trees
         self.wants_target_logits = wants_target_logits
         self.contexts: list[ProposeContext] = []
+        self.observed: list[ProposeContext] = []  # steps the budget did not draft
         self.verified: list = []
         self.finished: list[set[str]] = []
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.contexts.append(ctx)
         return [self.trees.get(r) for r in ctx.req_ids]
+
+    def observe(self, ctx: ProposeContext) -> None:
+        self.observed.append(ctx)
 
     def on_verified(self, results) -> None:
         self.verified.extend(results)

@@ -220,3 +220,32 @@ def test_the_heads_linear_layers_run_through_vllms_cpu_gemm(tmp_path):
             x = torch.randn(*shape)
             torch.testing.assert_close(routed(x), plain(x), rtol=1e-5, atol=1e-5, msg=name)
     assert use_vllm_cpu_gemm(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to route
+
+
+def test_observed_steps_keep_the_cache_whole(tmp_path):
+    """Steps the budget does not draft only observe (K/V written, no output computed): drafting afterwards must give
+    exactly the trees of a drafter that ingested every step, and better than one that skipped them (a masked hole)."""
+    head, path = small_head(tmp_path, seed=7)
+    rng = np.random.default_rng(7)
+    seq = rng.integers(0, VOCAB, size=48)
+    aux = torch.randn(48, 3, HIDDEN)
+    spans = [(0, 12), (12, 13), (13, 14), (14, 20), (20, 30)]
+
+    def drafted(feed_middle):
+        drafter = EagleDrafter(path, depth=4, top_k=4)
+        drafter.load(head.embed.weight)
+        for j, (a, b) in enumerate(spans):
+            ctx = draft_context(seq, aux, a, b, sampled=[int(seq[b])])
+            if j in (0, len(spans) - 1):
+                drafter.ingest(ctx)
+            else:
+                feed_middle(drafter, ctx)
+        return drafter.draft(ctx, [0], budget=24)[0]
+
+    every = drafted(lambda d, ctx: d.ingest(ctx))
+    observed = drafted(lambda d, ctx: d.observe(ctx))
+    skipped = drafted(lambda d, ctx: None)
+    assert observed.token_ids.tolist() == every.token_ids.tolist()
+    assert observed.parents.tolist() == every.parents.tolist()
+    assert observed.node_probs == pytest.approx(every.node_probs, rel=1e-5)
+    assert not np.allclose(skipped.node_probs, every.node_probs, rtol=1e-3)  # the test can tell a hole

@@ -274,19 +274,26 @@ def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
 
 
 def test_zero_budget_skips_the_model_drafter_entirely():
-    """Under load the budget table gives 0 nodes: no drafting, and the head does not even ingest the step."""
+    """Under load the budget table gives 0 nodes: no drafting, and the head only observes the step (writes its K/V,
+    computes nothing); so does a step the verifier's budget does not draft at all."""
     class CountingDrafter(ScriptedDrafter):
-        ingested = 0
+        ingested = observed = 0
 
         def ingest(self, ctx):
             self.ingested += 1
+
+        def observe(self, ctx):
+            self.observed += 1
 
     drafter = CountingDrafter({i: [0.9] for i in range(4)})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
     p.budget_curve = BudgetCurve(8, table={1: 8, 4: 0})
     assert p.propose_trees(make_ctx([[1, 2, 3]] * 4)) == [None] * 4
-    assert drafter.ingested == 0 and drafter.calls == []
-    assert p.propose_trees(make_ctx([[1, 2, 3]]))[0] is not None and drafter.ingested == 1
+    assert drafter.ingested == 0 and drafter.calls == [] and drafter.observed == 1
+    assert p.propose_trees(make_ctx([[1, 2, 3]]))[0] is not None and drafter.ingested == 1 and drafter.observed == 1
+    levels_drafted = len(drafter.calls)
+    p.observe(make_ctx([[1, 2, 3]]))
+    assert drafter.observed == 2 and drafter.ingested == 1 and len(drafter.calls) == levels_drafted
 
 
 def test_model_drafter_sits_out_batches_above_its_limit():

@@ -211,13 +211,28 @@ class EagleDrafter:
         return top_lp.numpy(), top_id.numpy()
 
     # --- step 1: ingest committed rows ------------------------------------------------------------------------
-    def ingest(self, ctx: ProposeContext) -> list[int]:
-        """Feed every request's committed rows; returns the batch rows whose depth-1 output is ready."""
+    def observe(self, ctx: ProposeContext) -> None:
+        """Write the K/V of every request's newly committed rows, computing no output (no attention, no LM head):
+        a step that does not draft keeps the head's cache whole at a fraction of :meth:`ingest`'s cost (a row not
+        written stays masked out of every later draft)."""
+        inputs = self._layer_inputs(ctx)
+        if inputs is None:
+            return
+        rows, spans, positions, _, _, k, v = inputs
+        offset = 0
+        with torch.inference_mode():
+            for i, (a, b), p in zip(rows, spans, positions):
+                n = b - a
+                self._write_committed(ctx, i, int(p[0]), n, k[offset: offset + n], v[offset: offset + n])
+                offset += n
+
+    def _layer_inputs(self, ctx: ProposeContext):
+        """(rows, hidden-row spans, positions, combined hidden, q, k, v) of the committed rows; None if none."""
         if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
-            return []
+            return None
         rows, spans, tokens, positions = _committed_rows(ctx)
         if not rows:
-            return []
+            return None
         head = self.head
         index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
         with torch.inference_mode():
@@ -226,6 +241,15 @@ class EagleDrafter:
             tok = torch.from_numpy(np.concatenate(tokens).astype(np.int64))
             pos = torch.from_numpy(np.concatenate(positions))
             q, k, v = head.layer_inputs(tok, hidden, pos)
+        return rows, spans, positions, hidden, q, k, v
+
+    def ingest(self, ctx: ProposeContext) -> list[int]:
+        """Feed every request's committed rows; returns the batch rows whose depth-1 output is ready."""
+        inputs = self._layer_inputs(ctx)
+        if inputs is None:
+            return []
+        rows, spans, positions, hidden, q, k, v = inputs
+        with torch.inference_mode():
             outs, last_hidden = [], []
             offset = 0
             groups = []

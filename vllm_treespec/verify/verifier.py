@@ -136,10 +136,12 @@ class TreeVerifier:
         return self.budget is not None or bool(getattr(self.proposer, "acceptance_sources", ()))
 
     def _draft(self, ctx: ProposeContext) -> list[DraftTree | None]:
-        """The proposer's trees; none at all when the budget's gate says drafting would not pay (timed for it)."""
+        """The proposer's trees; none at all when the budget's gate says drafting would not pay (then the proposer
+        only observes the step). The drafter's call is timed for the gate."""
         budget = self.budget
         drafting = sum(ctx.needs_draft(i) for i in range(ctx.num_reqs))
         if budget is not None and drafting and not budget.should_draft(drafting):
+            self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs
         started = time.perf_counter()
         trees = self.proposer.propose_trees(ctx)
