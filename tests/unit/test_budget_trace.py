@@ -56,6 +56,7 @@ def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     first = lines[0]
     assert first["gate"] == "probe" and first["admitted"] == 4 and first["tokens"] == 5 and first["reqs"] == 1
     assert first["factor"] == pytest.approx(1.0) and first["forward_ms"] >= 0.0
+    assert first["accepted"] == 0  # the step committed only the target's token
     assert lines[1]["gate"] == "draft" and lines[1]["best"] > lines[1]["plain"] > 0
     summary = trace.summarize(lines)
     assert summary["steps"] == 2 and summary["drafted"] == 2 and summary["probes"] == 1

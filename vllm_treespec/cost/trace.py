@@ -9,7 +9,7 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     gate       "draft", "probe" or "skip" (the drafter gate's decision), absent when the gate was not asked
     best, plain  the gate's predicted rates (tokens/s) with drafting and without, when it decided on them
     admitted   draft nodes the allocator kept;  expected: tokens it expected of the step (plain ones included)
-    factor     the acceptance tracker's expectation correction;  accepted: drafts the step's verification accepted
+    factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
 
 :func:`summarize` condenses the lines of a time window (one load level of ``bench serve``). Tracing costs a dict and
 a write per step; it is off unless the variable is set.

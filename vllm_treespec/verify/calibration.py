@@ -262,12 +262,13 @@ class AcceptanceTracker:
                 continue
             self._scheduled[req_id] = _Handed(handed.tree.truncate(n), handed.sources[:n], handed.raw[:n])
 
-    def committed(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
+    def committed(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> int | None:
         """The tokens the step committed per request (accepted drafts, then one token of the target's): learn from
-        every scheduled tree."""
+        every scheduled tree (verified as a tree or, when it was a chain, by vLLM). Returns the drafts accepted,
+        None when no draft was verified."""
         scheduled, self._scheduled = self._scheduled, {}
         if not scheduled:
-            return
+            return None
         sources, raws, accepted, depths = [], [], [], []
         expected = hits = 0.0
         for req_id, tokens in zip(req_ids, sampled_token_ids):
@@ -293,6 +294,8 @@ class AcceptanceTracker:
             self.calibration.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted),
                                      np.concatenate(depths))
             self.expectation.observe(expected, hits)
+            return int(hits)
+        return None
 
     def forget(self, req_ids: set[str]) -> None:
         for req_id in req_ids:

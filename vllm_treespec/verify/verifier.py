@@ -100,7 +100,9 @@ class TreeVerifier:
         req_ids = list(input_batch.req_ids[:num_reqs])
         tracking = self._tracks_acceptance()
         if tracking:
-            self.acceptance.committed(req_ids, sampled_token_ids)
+            accepted = self.acceptance.committed(req_ids, sampled_token_ids)
+            if accepted is not None and self.budget is not None and self.budget.trace is not None:
+                self.budget.trace.note(accepted=accepted)
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
                              max_nodes=self.max_nodes,
@@ -228,8 +230,6 @@ class TreeVerifier:
             self._tree_seconds += time.perf_counter() - started
         if self.budget is not None:
             self.budget.tree_worked(self._tree_seconds)
-            if self.budget.trace is not None:
-                self.budget.trace.note(accepted=int(out_len.sum()))
         return output
 
     # --- KV compaction --------------------------------------------------------------------------------------------
