@@ -187,6 +187,9 @@ class ProposeContext:
         verifies only the nodes that pay; a proposer uses it to decide what it would not otherwise know, e.g.
         whether an expensive drafter is worth running (graft's head, with
         :class:`vllm_treespec.cost.allocate.DraftGate`).
+    probing: the step budget's gate drafts this step only to learn what the trees are worth now (it had stopped
+        drafting because they did not pay): draft as fully as you can, or the probe measures a lesser tree than the
+        one you would draft once drafting pays (graft's head drafts on every probe).
     """
 
     req_ids: list[str]
@@ -201,6 +204,7 @@ class ProposeContext:
     hidden_position_start: np.ndarray | None = None
     kv_cache: Any = None
     step_cost: Any = None
+    probing: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -126,8 +126,8 @@ class GraftProposer(TreeProposer):
 
     def head_drafts(self, ctx: ProposeContext, budget: int, num_drafting: int) -> bool:
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
-        beat its measured cost (``model_draft_max_batch``, if given, still caps the batch), else up to
-        ``model_draft_max_batch`` requests."""
+        beat its measured cost, and on every probe of the verifier's gate (``model_draft_max_batch``, if given, still
+        caps the batch), else up to ``model_draft_max_batch`` requests."""
         if self.drafter is None or budget <= 0 or num_drafting == 0:
             return False
         if ctx.step_cost is None:
@@ -137,6 +137,8 @@ class GraftProposer(TreeProposer):
         if self.head_gate is None:
             self.head_gate = DraftGate(ctx.step_cost, self.head_cost)
         self.head_gate.cost = ctx.step_cost
+        if ctx.probing:  # the verifier's probe must measure the trees graft would draft once drafting pays
+            return True
         return self.head_gate.should_draft(num_drafting, budget)
 
     # --- proposing -------------------------------------------------------------------------------------------------

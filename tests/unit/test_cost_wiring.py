@@ -128,6 +128,7 @@ def test_the_gate_skips_the_drafter_when_its_trees_do_not_pay():
     verifier.budget = budget
     verifier.propose([[9], [3], [6]])  # no history: it drafts, and learns what the trees are worth
     calls = len(verifier.proposer.contexts)
+    assert verifier.proposer.contexts[-1].probing  # told so: a probe drafts as fully as drafting that pays would
     drafts = [verifier.propose([[9], [3], [6]]) for _ in range(3)]
     assert drafts == [[[], [], []]] * 3 and len(verifier.proposer.contexts) == calls  # not even called...
     assert len(verifier.proposer.observed) == 3  # ...it only observes the steps (a head keeps its cache whole)

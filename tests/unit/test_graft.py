@@ -588,3 +588,6 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     p.head_cost.buckets = {1: 10.0}  # a head that takes 10 s a step never pays
     p.propose_trees(pair)
     assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 1
+    pair.probing = True  # ...but the verifier's probe measures the trees graft drafts when drafting pays
+    p.propose_trees(pair)
+    assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1

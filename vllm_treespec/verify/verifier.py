@@ -145,6 +145,7 @@ class TreeVerifier:
         if budget is not None and drafting and not budget.should_draft(drafting):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs
+        ctx.probing = budget is not None and budget.gate.probing
         started = time.perf_counter()
         trees = self.proposer.propose_trees(ctx)
         if len(trees) != ctx.num_reqs:
