@@ -223,3 +223,16 @@ def test_bench_serve_summarises_the_servers_budget_trace_per_level(tmp_path):
     assert "budget" not in plain["levels"]["1"] and "budget_trace" not in plain
     table = format_table([plain, entry])
     assert " 50% " in table and " 0% " in table
+
+
+def test_bench_reports_the_share_of_steps_that_verified_drafts():
+    """Offline bench: a method whose engine wrote a budget trace gets a line per method under the table."""
+    graft = bench.MethodResult(bench.parse_methods("graft")[1])
+    graft.budget = [{"steps": 200, "verifying_steps": 50, "admitted_per_verifying_step": 12.0,
+                     "accepted_per_verifying_step": 3.5}, {"steps": 100, "verifying_steps": 10,
+                                                           "admitted_per_verifying_step": 8.0,
+                                                           "accepted_per_verifying_step": 1.0}]
+    none = bench.MethodResult(bench.parse_methods("graft")[0])
+    text = bench.budget_lines([none, graft])
+    assert "graft: steps that verified drafts 25% of 200 / 10% of 100" in text and "none" not in text
+    assert bench.budget_lines([none]) == ""

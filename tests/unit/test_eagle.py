@@ -222,9 +222,12 @@ def test_the_heads_linear_layers_run_through_vllms_cpu_gemm(tmp_path):
     assert use_vllm_cpu_gemm(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to route
 
 
-def test_observed_steps_keep_the_cache_whole(tmp_path):
-    """Steps the budget does not draft only observe (K/V written, no output computed): drafting afterwards must give
-    exactly the trees of a drafter that ingested every step, and better than one that skipped them (a masked hole)."""
+@pytest.mark.parametrize("deferred_rows", [256, 1])
+def test_observed_steps_keep_the_cache_whole(tmp_path, monkeypatch, deferred_rows):
+    """Steps the budget does not draft only observe (their rows' K/V are written at the next ingest, or once
+    ``deferred_rows`` rows wait; no output computed): drafting afterwards must give exactly the trees of a drafter
+    that ingested every step, and differ from one that skipped them (a masked hole)."""
+    monkeypatch.setattr("vllm_treespec.eagle.drafter.DEFERRED_ROWS", deferred_rows)
     head, path = small_head(tmp_path, seed=7)
     rng = np.random.default_rng(7)
     seq = rng.integers(0, VOCAB, size=48)
@@ -242,8 +245,12 @@ def test_observed_steps_keep_the_cache_whole(tmp_path):
                 feed_middle(drafter, ctx)
         return drafter.draft(ctx, [0], budget=24)[0]
 
+    def observe(drafter, ctx):
+        drafter.observe(ctx)
+        assert bool(drafter._deferred) == (deferred_rows > 1)  # a limit of one row writes at once
+
     every = drafted(lambda d, ctx: d.ingest(ctx))
-    observed = drafted(lambda d, ctx: d.observe(ctx))
+    observed = drafted(observe)
     skipped = drafted(lambda d, ctx: None)
     assert observed.token_ids.tolist() == every.token_ids.tolist()
     assert observed.parents.tolist() == every.parents.tolist()

@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from vllm_treespec.cost import trace
+from vllm_treespec.cost.trace import TRACE_ENV
+
 BASELINE = "none"
 DEFAULT_METHODS = ('none;'
                    'ngram:{"num_speculative_tokens":5,"prompt_lookup_max":4,"prompt_lookup_min":2};'
@@ -282,6 +285,8 @@ class MethodResult:
     #: outputs[category][question_id] = token ids per turn (first repeat)
     outputs: dict[str, dict[Any, list[list[int]]]] = field(default_factory=dict)
     engine_start_s: list[float] = field(default_factory=list)
+    #: per repeat, the engine's budget trace summarised (:func:`vllm_treespec.cost.trace.summarize`), when it wrote one
+    budget: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _batches(items: list, size: int) -> Iterable[list]:
@@ -340,8 +345,15 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     spec = result.spec
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
+    trace_path = Path(args.out) / f"budget-{spec.label}-r{repeat + 1}.jsonl"
+    for stale in trace_path.parent.glob(f"{trace_path.name}.*"):
+        stale.unlink()
+    os.environ[TRACE_ENV] = str(trace_path)  # read by the engine's worker when its budget is built
     started = time.perf_counter()
-    llm = build_llm(model, spec, args)
+    try:
+        llm = build_llm(model, spec, args)
+    finally:
+        os.environ.pop(TRACE_ENV, None)
     try:
         result.engine_start_s.append(time.perf_counter() - started)
         warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
@@ -359,6 +371,9 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     finally:
         del llm
         gc.collect()
+    paths = sorted(trace_path.parent.glob(f"{trace_path.name}.*"))
+    if paths:  # the warm-up's steps are in it too: a few of hundreds
+        result.budget.append({**trace.summarize(trace.read(paths)), "files": [str(p) for p in paths]})
 
 
 def run_round_robin(model: str, tokenizer, specs: list[MethodSpec], questions: dict[str, list[dict]],
@@ -466,6 +481,19 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
 def tokens_per_forward(output_tokens: float, accepted: float) -> float | None:
     """Output tokens per target forward over all steps: each forward commits one token plus its accepted drafts."""
     return output_tokens / (output_tokens - accepted) if output_tokens > accepted else None
+
+
+def budget_lines(results: list[MethodResult]) -> str:
+    """Per method with a step budget: the share of engine steps that verified drafts, per repeat (the budget trace)."""
+    lines = []
+    for result in results:
+        shares = [f"{100 * b['verifying_steps'] / b['steps']:.0f}% of {b['steps']}" for b in result.budget
+                  if b.get("steps")]
+        if shares:
+            lines.append(f"{result.spec.label}: steps that verified drafts {' / '.join(shares)} "
+                         f"(mean admitted {result.budget[0]['admitted_per_verifying_step']:.1f} nodes, accepted "
+                         f"{result.budget[0]['accepted_per_verifying_step']:.2f})")
+    return ("\n\nstep budget (VLLM_TREESPEC_BUDGET_TRACE):\n" + "\n".join(lines)) if lines else ""
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -624,11 +652,12 @@ def _run(args: argparse.Namespace) -> int:
         "config": {k: v for k, v in vars(args).items() if k != "verbose"},
         "categories": {c: len(qs) for c, qs in questions.items()},
         "methods": [{"label": r.spec.label, "method": r.spec.method, "speculative_config": r.spec.speculative_config(),
-                     "status": r.status, "reason": r.reason, "engine_start_s": r.engine_start_s} for r in results],
+                     "status": r.status, "reason": r.reason, "engine_start_s": r.engine_start_s,
+                     "budget": r.budget} for r in results],
         "rows": rows,
     }
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
-    table = format_table(rows)
+    table = format_table(rows) + budget_lines(results)
     (out_dir / "table.txt").write_text(table + "\n")
     print(table)
     paths = plot(rows, out_dir)
