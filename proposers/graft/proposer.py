@@ -155,9 +155,10 @@ class GraftProposer(TreeProposer):
         if use_drafter:
             self.drafter.ingest(ctx)
         elif self.drafter is not None:
-            # the head does not draft (zero budget, a batch above model_draft_max_batch, or its gate): it only writes
-            # this step's K/V. Ingesting (attention and LM head for each row) cost 12-14% of throughput at 4-16
-            # requests; writing nothing left holes in its cache that made its drafts worse after every busy spell.
+            # the head does not draft (zero budget, a batch above model_draft_max_batch, or its gate): it only keeps
+            # this step's rows for its cache (written with its next ingest). Ingesting every step (attention and LM
+            # head for each row) cost 12-14% of throughput at 4-16 requests; skipping the rows left holes in its
+            # cache that made its drafts worse after every busy spell.
             self.drafter.observe(ctx)
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if budget <= 0 or not rows:
