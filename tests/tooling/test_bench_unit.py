@@ -236,3 +236,16 @@ def test_bench_reports_the_share_of_steps_that_verified_drafts():
     text = bench.budget_lines([none, graft])
     assert "graft: steps that verified drafts 25% of 200 / 10% of 100" in text and "none" not in text
     assert bench.budget_lines([none]) == ""
+
+
+def test_bench_serve_refuses_to_send_a_prompt_twice(tmp_path, capsys):
+    """Every request of a server gets a prompt of its own: a reused prompt is scored against an answer the server has
+    already produced (graft's store of finished outputs then predicts it whole, ~10 tokens per chunk)."""
+    from vllm_treespec.tools.bench_serve import main
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(24)))
+    assert main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2,4",
+                 "--requests-per-level", "16", "--methods", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "gives 24 prompts" in err and "sends 48 requests" in err and "more prompts" in err

@@ -105,7 +105,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
                 # fresh prompts at every level: a method that remembers finished outputs (suffix_tree's global
                 # store) must not be scored on answers it has already produced
                 n = max(args.requests_per_level, concurrency)
-                batch = [prompts[(sent + i) % len(prompts)] for i in range(n)]
+                batch = prompts[sent: sent + n]  # main() checked there are enough: no prompt is sent twice
                 sent += n
                 opened = time.time()
                 replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
@@ -275,6 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # interleave categories so that every level sees a mix
     pools = [[q["turns"][0] for q in qs] for qs in questions.values()]
     prompts = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]
+    needed = sum(max(args.requests_per_level, c) for c in args.concurrency)
+    if len(prompts) < needed:
+        # a reused prompt is scored against an answer the server has already produced (graft's and suffix_tree's
+        # stores of finished outputs then predict it whole)
+        print(f"vllm-treespec bench serve: --prompts {args.prompts!r} gives {len(prompts)} prompts, but "
+              f"--concurrency {','.join(map(str, args.concurrency))} with --requests-per-level "
+              f"{args.requests_per_level} sends {needed} requests per server, each a different prompt: give more "
+              f"prompts or send fewer requests", file=sys.stderr)
+        return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
