@@ -73,6 +73,24 @@ class BudgetTrace:
         self.stream.flush()
 
 
+def files(base: Path) -> list[Path]:
+    """The files the workers wrote for the trace path ``base`` (one per worker: ``base.<pid>``)."""
+    return sorted(Path(base).parent.glob(f"{Path(base).name}.*"))
+
+
+def clear(base: Path) -> None:
+    """Remove an earlier run's files for ``base`` (workers append)."""
+    for path in files(base):
+        path.unlink()
+
+
+def verifying_share(summary: dict[str, Any] | None) -> float | None:
+    """The share of a :func:`summarize` window's steps that verified drafts; None without steps."""
+    if not summary or not summary.get("steps"):
+        return None
+    return summary["verifying_steps"] / summary["steps"]
+
+
 def read(paths: Iterable[Path]) -> list[dict[str, Any]]:
     """Every line of the trace files, in time order (a torn last line is skipped)."""
     lines = []

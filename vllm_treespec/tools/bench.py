@@ -346,8 +346,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
     trace_path = Path(args.out) / f"budget-{spec.label}-r{repeat + 1}.jsonl"
-    for stale in trace_path.parent.glob(f"{trace_path.name}.*"):
-        stale.unlink()
+    trace.clear(trace_path)
     os.environ[TRACE_ENV] = str(trace_path)  # read by the engine's worker when its budget is built
     started = time.perf_counter()
     try:
@@ -371,7 +370,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     finally:
         del llm
         gc.collect()
-    paths = sorted(trace_path.parent.glob(f"{trace_path.name}.*"))
+    paths = trace.files(trace_path)
     if paths:  # the warm-up's steps are in it too: a few of hundreds
         result.budget.append({**trace.summarize(trace.read(paths)), "files": [str(p) for p in paths]})
 
@@ -487,12 +486,12 @@ def budget_lines(results: list[MethodResult]) -> str:
     """Per method with a step budget: the share of engine steps that verified drafts, per repeat (the budget trace)."""
     lines = []
     for result in results:
-        shares = [f"{100 * b['verifying_steps'] / b['steps']:.0f}% of {b['steps']}" for b in result.budget
-                  if b.get("steps")]
+        shares = [f"{100 * trace.verifying_share(b):.0f}% of {b['steps']}" for b in result.budget
+                  if trace.verifying_share(b) is not None]
         if shares:
             lines.append(f"{result.spec.label}: steps that verified drafts {' / '.join(shares)} "
-                         f"(mean admitted {result.budget[0]['admitted_per_verifying_step']:.1f} nodes, accepted "
-                         f"{result.budget[0]['accepted_per_verifying_step']:.2f})")
+                         f"(repeat 1: {result.budget[0]['admitted_per_verifying_step']:.1f} nodes admitted and "
+                         f"{result.budget[0]['accepted_per_verifying_step']:.2f} drafts accepted per such step)")
     return ("\n\nstep budget (VLLM_TREESPEC_BUDGET_TRACE):\n" + "\n".join(lines)) if lines else ""
 
 

@@ -86,8 +86,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
                              "speculative_config": spec.speculative_config(), "levels": {}}
     log_path = out_dir / f"server-{spec.label}.log"
     trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
-    for stale in out_dir.glob(f"{trace_path.name}.*"):
-        stale.unlink()
+    trace.clear(trace_path)
     server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path,
                            env={TRACE_ENV: str(trace_path)})
     windows: dict[str, tuple[float, float]] = {}
@@ -118,7 +117,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
         entry.update(status="failed", reason=str(e).splitlines()[0], log=str(log_path))
     finally:
         server.stop()
-    add_budget_trace(entry, sorted(out_dir.glob(f"{trace_path.name}.*")), windows)
+    add_budget_trace(entry, trace.files(trace_path), windows)
     return entry
 
 
@@ -171,9 +170,8 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
 
 def verify_share(budget: dict[str, Any] | None) -> str:
     """The share of the level's engine steps that verified drafts (from the budget trace), e.g. ``41%``."""
-    if not budget or not budget.get("steps"):
-        return "-"
-    return f"{100 * budget['verifying_steps'] / budget['steps']:.0f}%"
+    share = trace.verifying_share(budget)
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def format_table(methods: list[dict[str, Any]]) -> str:
