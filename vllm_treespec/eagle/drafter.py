@@ -95,7 +95,6 @@ class EagleDrafter:
         self._tick = 0
         #: committed rows of steps that did not draft, by request: (aux hidden rows, tokens, positions), in order
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
-        self._deferred_rows = 0
         #: skip frontier nodes that cannot reach the kept tree (exact; off only to test that it is exact)
         self.prune_frontier = True
         #: head rows drafted past depth 1 (expansion work), for tests and profiling
@@ -231,8 +230,7 @@ class EagleDrafter:
             return
         for i, aux, tokens, positions in segments:
             self._deferred.setdefault(ctx.req_ids[i], []).append((aux, tokens, positions))
-        self._deferred_rows += sum(len(p) for _, _, _, p in segments)
-        if self._deferred_rows >= DEFERRED_ROWS:
+        if sum(len(p) for segments in self._deferred.values() for _, _, p in segments) >= DEFERRED_ROWS:
             self._write_segments(ctx, [])
 
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
@@ -251,13 +249,12 @@ class EagleDrafter:
 
     def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]]):
         """Write the K/V of every deferred segment of the requests in ``ctx``, then of ``current`` (this step's
-        rows), in one batch through the head's layer inputs. Returns (hidden, q) of the current segments' rows and
-        each current segment's offset in them (the rows :meth:`ingest` attends from)."""
+        rows), in one batch through the head's layer inputs. Returns (hidden, q) of all rows written and each current
+        segment's offset in them (the rows :meth:`ingest` attends from)."""
         row_of = {req_id: i for i, req_id in enumerate(ctx.req_ids)}
         pieces: list[tuple[int, Any, np.ndarray, np.ndarray]] = []
         for req_id in [r for r in self._deferred if r in row_of]:
             pieces += [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id)]
-        self._deferred_rows = sum(len(p) for segments in self._deferred.values() for _, _, p in segments)
         first_current = len(pieces)
         pieces += current
         if not pieces:
