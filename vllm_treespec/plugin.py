@@ -62,8 +62,8 @@ def activate_tree_mode() -> None:
         return
     _state["tree_mode"] = True
     from vllm_treespec.attn import register_backends
-    from vllm_treespec.patches import (cpu_worker, cudagraph_dispatcher, gpu_worker, model_runner, rejection_sampler,
-                                       topk_topp_sampler, triton_dispatcher)
+    from vllm_treespec.patches import (cpu_worker, cudagraph_dispatcher, draft_delivery, gpu_worker, model_runner,
+                                       rejection_sampler, topk_topp_sampler, triton_dispatcher)
 
     register_backends()
     model_runner.apply()
@@ -73,6 +73,7 @@ def activate_tree_mode() -> None:
     cudagraph_dispatcher.apply()
     cpu_worker.apply()
     gpu_worker.apply()
+    draft_delivery.apply()
 
 
 def is_enabled() -> bool:

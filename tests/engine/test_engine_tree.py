@@ -346,3 +346,21 @@ def test_retrieval_kernels_compile_at_startup_not_in_requests(base, model, promp
     finally:
         close(llm)
     assert got == token_ids(base.generate(prompts[:7], greedy(), use_tqdm=False))
+
+
+def test_drafts_reach_the_scheduler_without_vllms_draft_rpc(base, model, prompts):
+    """The step's drafts travel with its sampled tokens (patches/draft_delivery.py): the engine core never asks the
+    worker for them in a separate RPC, trees are still verified, and the output stays exact."""
+    llm = make_llm(model, {"method": "static_tree", "num_speculative_tokens": 24, "branches": 4, "depth": 6})
+    try:
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        rpcs = []
+        take = executor.take_draft_token_ids
+        executor.take_draft_token_ids = lambda: rpcs.append(1) or take()
+        got = token_ids(llm.generate(prompts[:4], greedy(), use_tqdm=False))
+        counters = spec_counters(llm)
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(prompts[:4], greedy(), use_tqdm=False))
+    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0, counters
+    assert rpcs == []

@@ -1,5 +1,5 @@
-"""Every vLLM patch of vllm-treespec lives in this package: one module per vLLM class (or module), one wrapper per
-symbol.
+"""Every vLLM patch of vllm-treespec lives in this package: one module per vLLM class (or module, or one concern that
+spans classes: ``draft_delivery``), one wrapper per symbol.
 
 A patch replaces ``owner.name`` with a wrapper that receives the original as its first argument and calls it
 explicitly. The original is kept in ``ORIGINALS`` so that patches can be undone (tests) and so that a second patch of
