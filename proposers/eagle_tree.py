@@ -64,9 +64,10 @@ class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     depth: int = 6
     #: children per expanded node, and nodes expanded per level
     top_k: int = 8
-    #: the head's compute dtype ("auto" = the target's). Drafting is memory-bound (a few rows against ~10M weights
-    #: per level), so bf16 halves its cost; verification stays exact whatever the head computes in
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    #: the head's compute dtype: "fastest" = bf16 or fp32, whichever runs the head's layers faster on this CPU (timed
+    #: at load: bf16 halves the weights' bytes where the CPU has a bf16 GEMM, and costs several times fp32 where
+    #: vLLM falls back to torch's, as on AVX2), "auto" = the target's. Verification stays exact whatever it is
+    dtype: Literal["fastest", "auto", "float32", "bfloat16", "float16"] = "fastest"
     #: requests whose draft KV is kept (least recently used ones are dropped first)
     max_cached_requests: int = 1024
     #: nodes whose path probability under the head (cumulative draft probability) is below this are neither verified

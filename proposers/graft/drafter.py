@@ -58,7 +58,7 @@ class EagleModelDrafter(ModelDrafter):
     def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
         from vllm_treespec.eagle.drafter import EagleDrafter  # torch: only once a head is used
 
-        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="bfloat16")
+        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="fastest")
         self.aux_hidden_state_layers = self.drafter.aux_layers
         self.needs_kv_cache = self.drafter.reads_target_kv
         self.vllm_config = vllm_config

@@ -222,6 +222,38 @@ def test_the_heads_linear_layers_run_through_vllms_cpu_gemm(tmp_path):
     assert use_vllm_cpu_gemm(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to route
 
 
+@pytest.mark.parametrize("faster", [torch.bfloat16, torch.float32])
+def test_fastest_dtype_keeps_the_head_whose_layers_time_faster(tmp_path, monkeypatch, faster):
+    """``dtype: "fastest"`` loads the head in bf16 and fp32, times each one's linear layers at a level's rows, and
+    keeps the faster one (bf16 where the CPU has a bf16 GEMM, fp32 where vLLM falls back to torch's: AVX2)."""
+    from vllm_treespec.eagle import drafter as drafter_module
+
+    head, path = small_head(tmp_path)
+    timed_rows = []
+
+    def linear_seconds(module, rows):
+        timed_rows.append(rows)
+        dtype = next(m for m in module.modules() if type(m) is torch.nn.Linear).weight.dtype
+        return 1.0 if dtype == faster else 3.0
+
+    monkeypatch.setattr(drafter_module, "linear_seconds", linear_seconds)
+    drafter = EagleDrafter(path, depth=2, top_k=3, dtype="fastest")
+    drafter.load(head.embed.weight)
+    assert drafter.dtype == faster and timed_rows == [3, 3]
+    assert all(m.weight.dtype == faster for m in drafter.head.modules() if type(m) is torch.nn.Linear)
+    ctx = draft_context(np.arange(40) % VOCAB, torch.randn(40, 3, HIDDEN), 0, 30, sampled=[7])
+    drafter.ingest(ctx)  # it drafts in the chosen dtype
+    assert drafter.draft(ctx, [0], 6)[0].num_nodes > 0
+
+
+def test_linear_seconds_times_every_linear_layer(tmp_path):
+    from vllm_treespec.eagle.cpu_gemm import linear_seconds
+
+    one = torch.nn.Sequential(torch.nn.Linear(64, 256))
+    two = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4096))
+    assert 0 < linear_seconds(one, rows=4) < linear_seconds(two, rows=4)
+
+
 @pytest.mark.parametrize("deferred_rows", [256, 1])
 def test_observed_steps_keep_the_cache_whole(tmp_path, monkeypatch, deferred_rows):
     """Steps the budget does not draft only observe (their rows' K/V are written at the next ingest, or once

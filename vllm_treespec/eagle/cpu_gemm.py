@@ -7,6 +7,7 @@ what is verified."""
 from __future__ import annotations
 
 import logging
+import time
 import types
 
 import torch
@@ -41,3 +42,22 @@ def use_vllm_cpu_gemm(module: torch.nn.Module) -> int:
     for layer in layers:
         layer.forward = types.MethodType(_forward, layer)
     return len(layers)
+
+
+def linear_seconds(module: torch.nn.Module, rows: int, repeats: int = 5) -> float:
+    """Seconds one call of each of ``module``'s linear layers takes at ``rows`` rows (best of ``repeats``), summed:
+    what choosing the head's compute dtype compares. Inputs are constant (no random state is used)."""
+    total = 0.0
+    with torch.inference_mode():
+        for layer in module.modules():
+            if not isinstance(layer, torch.nn.Linear):
+                continue
+            x = torch.full((rows, layer.in_features), 0.01, dtype=layer.weight.dtype, device=layer.weight.device)
+            layer(x)  # the first call packs or allocates
+            best = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                layer(x)
+                best = min(best, time.perf_counter() - started)
+            total += best
+    return total

@@ -19,6 +19,7 @@ cache (``ctx.kv_cache``) every step, so every draft row sees all committed posit
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 from vllm_treespec.api import DraftTree, ProposeContext
 from vllm_treespec.eagle.checkpoint import load_draft_head
-from vllm_treespec.eagle.cpu_gemm import use_vllm_cpu_gemm
+from vllm_treespec.eagle.cpu_gemm import linear_seconds, use_vllm_cpu_gemm
 from vllm_treespec.eagle.kv_head import is_kv_aware_config
 from vllm_treespec.eagle.model import default_aux_layers
 from vllm_treespec.pruning import below_checkpoint
@@ -64,6 +65,11 @@ class _Growing:
     frontier_r2: Any = None
     stop_score: float = -math.inf  # stopped at a checkpoint: its best path score there (keep nodes scoring >= it)
 
+
+logger = logging.getLogger("vllm.treespec")
+
+#: the compute dtypes a head's ``dtype: "fastest"`` chooses between, by timing its linear layers at load
+HEAD_DTYPE_CANDIDATES = (torch.bfloat16, torch.float32)
 
 #: observed rows kept before their K/V are written anyway (bounds the memory of a long spell without drafts)
 DEFERRED_ROWS = 256
@@ -116,19 +122,37 @@ class EagleDrafter:
         self.load(embed.weight, getattr(getattr(vllm_config, "model_config", None), "dtype", None))
 
     def load(self, embed, target_dtype=None) -> None:
-        if self.dtype_name == "auto":
-            dtype = target_dtype or torch.float32
+        embed = embed.detach().to("cpu", torch.float32)
+        if self.dtype_name == "fastest":
+            dtype, self.head = self._fastest_head(embed)
         else:
-            dtype = getattr(torch, self.dtype_name)
-        self.head = load_draft_head(self.checkpoint, embed=embed.detach().to("cpu", torch.float32), dtype=dtype,
-                                    default_aux_layers=self.aux_layers)
-        self.head.eval().requires_grad_(False)
-        use_vllm_cpu_gemm(self.head)
+            dtype = (target_dtype or torch.float32) if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
+            self.head = self._load_head(embed, dtype)
         cfg = self.head.cfg
         self.kv_heads, self.heads, self.head_dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.d2t = self.head.draft_to_target.numpy()  # draft id -> target id
         self.dtype = dtype
+
+    def _load_head(self, embed: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
+        head = load_draft_head(self.checkpoint, embed=embed, dtype=dtype, default_aux_layers=self.aux_layers)
+        head.eval().requires_grad_(False)
+        use_vllm_cpu_gemm(head)
+        return head
+
+    def _fastest_head(self, embed: torch.Tensor) -> tuple[torch.dtype, torch.nn.Module]:
+        """The head in whichever of bf16 and fp32 runs its linear layers faster here, timed at a level's rows:
+        bf16 halves the weights' bytes where the CPU has a bf16 GEMM (AVX-512 BF16, AMX), and costs several times
+        fp32 where vLLM falls back to torch's bf16 GEMM (AVX2). Only the drafts depend on it, never exactness."""
+        timed = {}
+        for dtype in HEAD_DTYPE_CANDIDATES:
+            head = self._load_head(embed, dtype)
+            timed[dtype] = (linear_seconds(head, rows=max(1, self.top_k)), head)
+        best = min(timed, key=lambda d: timed[d][0])
+        logger.info("vllm_treespec: the draft head computes in %s (its linear layers at %d rows: %s)",
+                    str(best).removeprefix("torch."), max(1, self.top_k),
+                    ", ".join(f"{str(d).removeprefix('torch.')} {s * 1e3:.2f} ms" for d, (s, _) in timed.items()))
+        return best, timed[best][1]
 
     # --- per-request KV ---------------------------------------------------------------------------------------
     def _state(self, req_id: str, need: int) -> _RequestState:
