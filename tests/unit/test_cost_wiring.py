@@ -219,3 +219,29 @@ def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
     assert budget.should_draft(1) and not budget.gate.probing
     assert budget.admit([tree])[0] is not None
     assert budget.stats["probes"] == 2 and budget.stats["skipped_drafts"] == 2 * budget.gate.probe_every
+
+
+def test_a_probe_is_priced_without_the_expectation_correction():
+    """Once the correction has stopped the drafting, a probe priced by it would verify a node or two and the
+    correction could never recover; probes are priced by the calibrated rates alone."""
+    # every token costs 20 ms over a 50 ms step: a node pays above path probability 0.4 (SCORED: 0.9, then 0.72)
+    verifier = verifier_with(lambda t: 0.05 + 0.02 * (t - 1), {"a": SCORED})
+    verifier.acceptance.expectation.observe(expected=400.0, accepted=80.0)  # recent trees yielded a fifth
+    assert verifier.acceptance.expectation.factor == 0.25  # (bounded below)
+    verifier.budget.gate.marginal = None  # no history: the next step is a probe
+    assert verifier.propose([[9], [3], [6]])[0] == [10, 12] and verifier.budget.gate.probing
+    verifier.budget.gate.marginal = np.array([1.0])  # a priced step: the corrected 0.9 * 0.25 no longer pays
+    assert verifier.propose([[9], [3], [6]])[0] == [] and not verifier.budget.gate.probing
+
+
+def test_the_drafters_price_includes_pricing_and_handing_over_its_trees(monkeypatch):
+    """What the gate charges a drafting step covers the proposer's call and the verifier's work on its trees
+    (calibration, allocation, flattening), all of which only a drafting step does."""
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    clock = iter(np.arange(0, 100, 0.001).tolist())
+    monkeypatch.setattr("vllm_treespec.verify.verifier.time.perf_counter", lambda: next(clock))
+    calls = []
+    monkeypatch.setattr(verifier.budget, "drafted", lambda num_reqs, seconds: calls.append((num_reqs, seconds)))
+    verifier.propose([[9], [3], [6]])
+    (num_reqs, seconds), = calls
+    assert num_reqs == 3 and seconds == pytest.approx(0.001)  # one clock tick: start to after flatten_trees

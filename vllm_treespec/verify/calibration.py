@@ -212,11 +212,11 @@ class AcceptanceTracker:
                              f"acceptance_sources has {len(self.calibration.names)}: {self.calibration.names}")
         return sources
 
-    def calibrate(self, trees: Sequence[DraftTree | None]) -> list[DraftTree | None]:
+    def calibrate(self, trees: Sequence[DraftTree | None], corrected: bool = True) -> list[DraftTree | None]:
         """The trees with ``node_probs`` replaced by calibrated acceptance probabilities (nodes of source -1 keep
-        their number), root children scaled by the expectation correction (so every path probability is); trees
-        without ``node_probs`` unchanged."""
-        factor = self.expectation.factor
+        their number), root children scaled by the expectation correction (so every path probability is) unless
+        ``corrected`` is False; trees without ``node_probs`` unchanged."""
+        factor = self.expectation.factor if corrected else 1.0
         out: list[DraftTree | None] = []
         for tree in trees:
             if tree is None or tree.node_probs is None or tree.num_nodes == 0:
