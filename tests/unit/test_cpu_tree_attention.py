@@ -133,8 +133,9 @@ def test_fast_path_matches_reference_and_torch_path_on_trees(dtype):
     tree_attention_cpu(plan, query, kv_cache, torch_out, SCALE, HQ, D)
     reference = _reference(query, raw, batch, contexts, trees)
     # fp32: both paths within float rounding of float64. bf16: inputs are the same bf16 values, accumulation is fp32,
-    # so the error is the output's own rounding (<= 1 bf16 ulp = 2^-8 relative) plus fp32 noise.
-    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -8)
+    # so the error is within one bf16 ulp of the output: 2^-8 to 2^-7 of the value, by where it lies in its binade
+    # (vLLM's kernel on AVX2 reaches one ulp at values just above a power of two; on AVX512 it stayed within 2^-8)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -7)
     for r, t in enumerate(trees):
         rows = slice(int(batch.query_start[r]), int(batch.query_start[r]) + t.num_nodes + 1)
         got = fast_out[rows].view(-1, HQ, D).double()

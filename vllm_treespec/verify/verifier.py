@@ -32,11 +32,12 @@ logger = logging.getLogger("vllm.treespec")
 # dummy steps). tests/unit/test_runner_contract.py checks that those modules use exactly these (parsing them) and that
 # the installed vLLM has each.
 CONTRACT_MODULES = ("vllm_treespec.verify", "vllm_treespec.kv_view", "vllm_treespec.patches.model_runner",
-                    "vllm_treespec.cost", "vllm_treespec.patches.cpu_worker", "vllm_treespec.patches.gpu_worker")
+                    "vllm_treespec.cost", "vllm_treespec.patches.cpu_worker", "vllm_treespec.patches.gpu_worker",
+                    "vllm_treespec.patches.draft_delivery")
 RUNNER_ATTRIBUTES = (
     "_draft_prob_req_ids", "_draft_probs", "_dummy_run", "_sync_device", "drafter", "input_batch", "kv_cache_config",
     "max_num_tokens", "model", "positions", "query_start_loc", "requests", "scheduler_config", "speculative_config",
-    "uniform_decode_query_len", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
+    "take_draft_token_ids", "uniform_decode_query_len", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
 )
 INPUT_BATCH_ATTRIBUTES = (
     "block_table", "num_computed_tokens_cpu", "num_reqs", "num_tokens_no_spec", "req_id_to_index", "req_ids",
