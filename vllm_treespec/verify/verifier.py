@@ -68,7 +68,6 @@ class TreeVerifier:
         #: and learns step times; None = trees run as proposed
         self.budget: Any = None
         self._tree_seconds = 0.0  # this step's host work on trees so far (attach, acceptance, compaction)
-        self._drafting = 0  # requests the proposer drafted for this step (0: the gate skipped it, or no budget)
         #: acceptance rates by source and raw confidence, learned from every step's committed tokens: they turn
         #: node_probs into acceptance probabilities for the budget, and graft ranks its sources by them
         self.acceptance = AcceptanceTracker(getattr(proposer, "acceptance_sources", ()))
@@ -124,7 +123,7 @@ class TreeVerifier:
             ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs, sampled_token_ids,
                                       query_start_loc)
         started = time.perf_counter()
-        drafted = self._draft(ctx)
+        drafted, drafting = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
         trees = proposed
         if self.budget is not None:
@@ -139,32 +138,30 @@ class TreeVerifier:
             self.acceptance.handed(req_ids, proposed, trees)
         drafts, self.pending = flatten_trees(ctx, trees,
                                              lambda req_id: bool(self.enabled) and self._request_can_use_tree(req_id))
-        if self.budget is not None and self._drafting:
+        if self.budget is not None and drafting:
             # the price of drafting at all: the drafter's call and the host work that pricing and handing over its
             # trees takes (calibration, allocation, flattening); the gate weighs it against what the trees yield
-            self.budget.drafted(self._drafting, time.perf_counter() - started)
+            self.budget.drafted(drafting, time.perf_counter() - started)
         return drafts
 
     def _tracks_acceptance(self) -> bool:
         """Learn acceptance rates: the budget weighs nodes by them, a proposer with named sources ranks by them."""
         return self.budget is not None or bool(getattr(self.proposer, "acceptance_sources", ()))
 
-    def _draft(self, ctx: ProposeContext) -> list[DraftTree | None]:
-        """The proposer's trees; none at all when the budget's gate says drafting would not pay (then the proposer
-        only observes the step)."""
+    def _draft(self, ctx: ProposeContext) -> tuple[list[DraftTree | None], int]:
+        """The proposer's trees, and the requests it drafted for (0 when it was not called); no trees at all when
+        the budget's gate says drafting would not pay (then the proposer only observes the step)."""
         budget = self.budget
         drafting = sum(ctx.needs_draft(i) for i in range(ctx.num_reqs))
-        self._drafting = 0
         if budget is not None and drafting and not budget.should_draft(drafting):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
-            return [None] * ctx.num_reqs
+            return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
         trees = self.proposer.propose_trees(ctx)
         if len(trees) != ctx.num_reqs:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
                                f"for {ctx.num_reqs} requests")
-        self._drafting = drafting  # propose() times the call with what follows it
-        return trees
+        return trees, drafting  # propose() times the call with the work on its trees that follows
 
     # --- hook: after _prepare_inputs -------------------------------------------------------------------------
     def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
