@@ -224,6 +224,39 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
     assert plain == pytest.approx(2 / 0.066)
 
 
+def test_a_probe_spends_at_most_its_share_of_the_skipped_steps():
+    """Where drafting does not pay, probes cost at most ``probe_share`` of the time: a probe waits until the skipped
+    steps' allowance covers the drafter's call, and verifies no more than the rest of it buys."""
+
+    class Drafter:
+        def predict(self, x):
+            return 0.0119  # a fifth of a plain step
+
+    trees = [star([0.5, 0.4, 0.3, 0.2])]
+    gate = DraftGate(STEEP, Drafter(), probe_every=4, probe_share=0.01)
+    gate.record(trees)
+    skipped = 0
+    while not gate.should_draft(1):
+        skipped += 1
+    # each skipped step sets aside 1% of a 60 ms step: the drafter's ~12 ms takes 20 skipped steps, not 4
+    assert skipped == 20 and gate.probing
+    assert gate.probe_seconds == pytest.approx(0.0001) and gate.allowance == 0.0
+    assert allocate(trees, STEEP, max_extra_seconds=gate.probe_seconds).total_nodes == 0
+    # with a free drafter the allowance buys verification: after 40 skipped steps 24 ms, less than one token's 60 ms
+    free = DraftGate(STEEP, probe_every=40, probe_share=0.01)
+    free.record(trees)
+    while not free.should_draft(1):
+        pass
+    assert free.probe_seconds == pytest.approx(0.024)
+    middle = allocate(trees, MIDDLE, max_extra_seconds=free.probe_seconds)
+    assert middle.total_nodes == 4  # 6 ms a token on MIDDLE: all four fit in 24 ms
+    assert allocate(trees, MIDDLE, max_extra_seconds=0.013).total_nodes == 2
+    # drafting that pays needs no probe and is not capped
+    flat = DraftGate(FLAT, Drafter(), probe_share=0.01)
+    flat.record(trees)
+    assert flat.should_draft(1) and not flat.probing and flat.probe_seconds is None
+
+
 def test_step_budget_trims_scored_trees_and_learns_step_times(monkeypatch):
     from vllm_treespec.cost.budget import StepBudget
     from vllm_treespec.cost.model import FORMAT_VERSION, CostKey, CostRecord, StepSample

@@ -91,14 +91,18 @@ class Allocation:
 
 
 def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
-                overhead: float = 0.0, min_gain: float = 0.0) -> tuple[int, float, float, float]:
-    """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]).
+                overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None
+                ) -> tuple[int, float, float, float]:
+    """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]),
+    among the k whose step costs at most ``max_extra_seconds`` more than the plain step's (None: any).
     Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain."""
     k_all = np.arange(gains.size + 1)
     seconds = np.asarray(cost.predict_many(base_tokens + k_all, num_reqs), np.float64).copy()
     seconds[1:] += overhead
     expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
     rates = expected / np.maximum(seconds, 1e-12)
+    if max_extra_seconds is not None:
+        rates[1:][seconds[1:] - seconds[0] > max_extra_seconds] = -np.inf
     k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
     plain = float(rates[0])
     if k and not rates[k] > plain * (1 + min_gain):
@@ -109,7 +113,7 @@ def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: i
 def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int | None = None,
              base_tokens: int | None = None, base_expected: float | None = None,
              per_request_cap: int | Sequence[int] | None = None, batch_cap: int | None = None,
-             overhead: float = 0.0, min_gain: float = 0.0) -> Allocation:
+             overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None) -> Allocation:
     """Admit the batch's draft nodes best-first by path probability while they raise expected tokens per second.
 
     trees: one per request (None: no draft). Trees without ``node_probs`` are kept whole; their nodes count as
@@ -121,6 +125,8 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
         batch_cap: most nodes in the step.
     overhead: seconds a step with drafts costs beyond the curve (host work of tree verification).
     min_gain: admit only if the rate beats plain decoding's by this relative margin.
+    max_extra_seconds: admit no more than a step this much dearer than plain decoding's can verify (a probe's
+        allowance, :class:`DraftGate`).
     """
     n = len(trees)
     num_reqs = n if num_reqs is None else int(num_reqs)
@@ -152,7 +158,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     candidates = np.array(candidates, np.int64)
     gains = p_all[candidates] if candidates.size else np.zeros(0)
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
-                                              min_gain)
+                                              min_gain, max_extra_seconds)
     admitted = candidates[:k]
     out: list[DraftTree | None] = []
     num_nodes = np.zeros(n, np.int64)
@@ -179,17 +185,24 @@ class DrafterCost(Protocol):
 
 
 class DraftGate:
-    """Whether running the drafter pays: the best rate its trees could reach — per-request marginal gains learnt
+    """Whether running the drafter pays: the best rate its recent trees could reach — per-request marginal gains learnt
     from recent allocations' candidates (an exponentially weighted mean, best first), merged best-first across the
     batch — with the drafter's own seconds added to the step, against plain decoding's rate. With no history it
-    drafts; after ``probe_every`` consecutive skipped steps it drafts once (a probe) to refresh what its trees are
-    worth. A probe after which drafting still does not pay doubles the wait for the next one, up to
-    ``max_probe_every`` (at 16 requests a probe's drafter call and trees cost ~2 plain steps: 16 steps apart, ~5% of
-    the throughput); a step that drafts again resets it. Feed it every drafted step's trees (:meth:`record`), before
-    or after :func:`allocate`."""
+    drafts. Otherwise, after ``probe_every`` consecutive skipped steps it drafts once (a probe) to refresh what its
+    trees are worth. A probe after which drafting still does not pay doubles the wait for the next one, up to
+    ``max_probe_every``; a step that drafts again resets it.
+
+    Probes are paid from an allowance: every skipped step adds ``probe_share`` of its predicted time, a probe waits
+    until the allowance covers the drafter's predicted call, and what is left after that call is the most its
+    verification may add to the step (``probe_seconds``, for :func:`allocate`'s ``max_extra_seconds``). So a gate
+    that finds drafting unprofitable spends at most ``probe_share`` of the time on finding out whether that changed:
+    where a verified token costs half a step (bf16 on an AVX2 CPU) a probe of 16 nodes would cost ten plain steps,
+    and on a flat curve (GPUs) it still verifies whole trees. Feed it every drafted step's trees (:meth:`record`),
+    before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
-                 probe_every: int = 16, overhead: float = 0.0, max_probe_every: int = 128) -> None:
+                 probe_every: int = 16, overhead: float = 0.0, max_probe_every: int = 128,
+                 probe_share: float = 0.01) -> None:
         self.cost = cost
         self.drafter_cost = drafter_cost
         self.alpha = alpha
@@ -197,6 +210,9 @@ class DraftGate:
         self.max_probe_every = max(max_probe_every, probe_every)
         self.interval = probe_every  # skipped steps before the next probe
         self.overhead = overhead
+        self.probe_share = probe_share
+        self.allowance = 0.0  # seconds the skipped steps since the last probe set aside for the next one
+        self.probe_seconds: float | None = None  # the last probe's verification allowance (None: not capped)
         self.marginal: np.ndarray | None = None  # per-request expected gain of its j-th best node
         self.skipped = 0
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
@@ -235,10 +251,11 @@ class DraftGate:
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None) -> bool:
         self.probing = False
+        self.probe_seconds = None
         self.last_rates = None
         if num_reqs <= 0:
             return False
-        if self.marginal is None or self.skipped >= self.interval:
+        if self.marginal is None:  # nothing known yet: draft, and learn
             self.skipped = 0
             self.probing = self._after_probe = True
             return True
@@ -251,7 +268,14 @@ class DraftGate:
             self.skipped = 0
             self.interval = self.probe_every
             return True
+        if self.skipped >= self.interval and self.allowance >= drafter:
+            self.skipped = 0
+            self.probing = self._after_probe = True
+            self.probe_seconds, self.allowance = self.allowance - drafter, 0.0
+            return True
         if after_probe:  # what the probe learned does not pay either
             self.interval = min(2 * self.interval, self.max_probe_every)
         self.skipped += 1
+        if plain > 0:
+            self.allowance += self.probe_share * num_reqs / plain  # a share of the plain step's predicted seconds
         return False

@@ -141,7 +141,8 @@ class StepBudget:
         overhead = 0.0 if self.gate.probing else self.tree_work.seconds
         allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,
                               per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
-                              overhead=overhead, min_gain=self.min_gain)
+                              overhead=overhead, min_gain=self.min_gain,
+                              max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None)
         self.last = allocation
         self.stats["allocations"] += 1
         self.stats["probes"] += self.gate.probing
