@@ -192,13 +192,13 @@ class DraftGate:
     trees are worth. A probe after which drafting still does not pay doubles the wait for the next one, up to
     ``max_probe_every``; a step that drafts again resets it.
 
-    Probes are paid from an allowance: every skipped step adds ``probe_share`` of its predicted time, a probe waits
-    until the allowance covers the drafter's predicted call, and what is left after that call is the most its
-    verification may add to the step (``probe_seconds``, for :func:`allocate`'s ``max_extra_seconds``). So a gate
-    that finds drafting unprofitable spends at most ``probe_share`` of the time on finding out whether that changed:
-    where a verified token costs half a step (bf16 on an AVX2 CPU) a probe of 16 nodes would cost ten plain steps,
-    and on a flat curve (GPUs) it still verifies whole trees. Feed it every drafted step's trees (:meth:`record`),
-    before or after :func:`allocate`."""
+    A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
+    and a probe may add no more than that to its step (``probe_seconds``, for :func:`allocate`'s
+    ``max_extra_seconds``). Where a verified token costs most of a step (bf16 on an AVX2 CPU) a probe of 16 nodes
+    would cost ten plain steps; there a probe verifies a node or two, once the back-off has made the skipped steps
+    many, while on a flat curve (GPUs) it still verifies whole trees. The drafter's call on a probe is not counted
+    against the allowance: the back-off keeps its share small, and a probe that drafts nothing learns nothing.
+    Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
                  probe_every: int = 16, overhead: float = 0.0, max_probe_every: int = 128,
@@ -268,10 +268,10 @@ class DraftGate:
             self.skipped = 0
             self.interval = self.probe_every
             return True
-        if self.skipped >= self.interval and self.allowance >= drafter:
+        if self.skipped >= self.interval:
             self.skipped = 0
             self.probing = self._after_probe = True
-            self.probe_seconds, self.allowance = self.allowance - drafter, 0.0
+            self.probe_seconds, self.allowance = self.allowance, 0.0
             return True
         if after_probe:  # what the probe learned does not pay either
             self.interval = min(2 * self.interval, self.max_probe_every)
