@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 READY = "PROFILE_WORKER_PID"
 BUSY_LOOP = "worker_busy_loop"
 
@@ -66,8 +67,9 @@ def profile(config: dict | None, args: argparse.Namespace, out: Path, label: str
     for line in child.stdout:
         if line.startswith(READY):
             pid = line.split()[1]
-            subprocess.run([shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy", "record", "-p", pid, "-d", str(args.seconds), "-r", str(args.rate),
-                           "--format", "raw", "-o", str(raw)], check=True, capture_output=True)
+            py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+            subprocess.run([py_spy, "record", "-p", pid, "-d", str(args.seconds), "-r", str(args.rate),
+                            "--format", "raw", "-o", str(raw)], check=True, capture_output=True)
         elif line.startswith("PROFILE_WORKER_RESULT"):
             result = json.loads(line.split(" ", 1)[1])
     if child.wait() != 0 or not raw.exists():
@@ -87,7 +89,7 @@ def shares(raw: Path) -> tuple[collections.Counter, int]:
         seen = set()
         for frame in stack.split(";"):
             name = re.sub(r":\d+\)?$", "", frame)
-            name = re.sub(r" \(.*?(site-packages/|vllm-treespec/|/main/)", " (", name)
+            name = re.sub(rf" \(.*?(site-packages/|{re.escape(str(ROOT))}/)", " (", name)  # package-relative paths
             if name not in seen:
                 seen.add(name)
                 inclusive[name] += int(count)
@@ -114,25 +116,24 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = parse_methods(args.methods)
-    entries = [s.label for s in specs]
     profiles = {}
-    for spec in specs:
-        label = spec.label
-        result = profile(spec.speculative_config(), args, out, label)
-        profiles[label] = shares(out / f"{label}.raw")
-        print(f"{label}: {result['tokens']} tokens in {result['seconds']:.1f} s, "
+    for spec in parse_methods(args.methods):
+        result = profile(spec.speculative_config(), args, out, spec.label)
+        profiles[spec.label] = shares(out / f"{spec.label}.raw")
+        print(f"{spec.label}: {result['tokens']} tokens in {result['seconds']:.1f} s, "
               f"{result['tokens'] / result['seconds']:.2f} tok/s", flush=True)
-    base_label = entries[0]
+    base_label, *others = profiles
     base, base_total = profiles[base_label]
-    for label in entries[1:]:
+    for label in others:
         mine, total = profiles[label]
-        names = {k for k, v in mine.items() if v > 0.002 * total} | {k for k, v in base.items() if v > 0.002 * base_total}
+        names = ({k for k, v in mine.items() if v > 0.002 * total}
+                 | {k for k, v in base.items() if v > 0.002 * base_total})
         rows = sorted(names, key=lambda k: -abs(mine[k] / total - base[k] / base_total))[:args.top]
         print(f"\n{label} vs {base_label}: share of the worker's busy loop (inclusive)")
         print(f"{label:>10} {base_label:>10}   diff  function")
         for k in rows:
-            print(f"{100 * mine[k] / total:9.2f}% {100 * base[k] / base_total:9.2f}% {100 * (mine[k] / total - base[k] / base_total):+6.2f}  {k[:110]}")
+            a, b = 100 * mine[k] / total, 100 * base[k] / base_total
+            print(f"{a:9.2f}% {b:9.2f}% {a - b:+6.2f}  {k[:110]}")
 
 
 if __name__ == "__main__":

@@ -256,9 +256,7 @@ class DraftGate:
         if num_reqs <= 0:
             return False
         if self.marginal is None:  # nothing known yet: draft, and learn
-            self.skipped = 0
-            self.probing = self._after_probe = True
-            return True
+            return self._probe(None)
         # a drafter not timed yet counts as free: it drafts, and is timed
         drafter = (self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None) or 0.0
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
@@ -269,13 +267,18 @@ class DraftGate:
             self.interval = self.probe_every
             return True
         if self.skipped >= self.interval:
-            self.skipped = 0
-            self.probing = self._after_probe = True
-            self.probe_seconds, self.allowance = self.allowance, 0.0
-            return True
+            allowance, self.allowance = self.allowance, 0.0
+            return self._probe(allowance)
         if after_probe:  # what the probe learned does not pay either
             self.interval = min(2 * self.interval, self.max_probe_every)
         self.skipped += 1
         if plain > 0:
             self.allowance += self.probe_share * num_reqs / plain  # a share of the plain step's predicted seconds
         return False
+
+    def _probe(self, seconds: float | None) -> bool:
+        """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped)."""
+        self.skipped = 0
+        self.probing = self._after_probe = True
+        self.probe_seconds = seconds
+        return True
