@@ -2,8 +2,9 @@
 
     python scripts/profile_worker.py --methods 'none;graft' --dtype bfloat16
     python scripts/profile_worker.py --methods 'none;suffix_tree:{"num_speculative_tokens":32}' --seconds 60
+    python scripts/profile_worker.py --methods 'none;graft' --dtype float32 --batch 8
 
-Each method runs in its own child process (a fresh engine, batch 1, greedy, chat-templated prompts one at a time);
+Each method runs in its own child process (a fresh engine, greedy, chat-templated prompts ``--batch`` at a time);
 once it has warmed up, ``py-spy record`` samples its worker for ``--seconds``. Printed per method: tok/s of the whole
 generation (sampling slows it a little, alike for all), then the functions whose share of the worker's busy loop
 differs most from the first method's (inclusive time; a share times the seconds per step is milliseconds per step).
@@ -29,7 +30,7 @@ BUSY_LOOP = "worker_busy_loop"
 
 
 def run_child(args: argparse.Namespace) -> None:
-    """Generate with one method; print the worker's pid once warm, then the throughput."""
+    """Generate with one method, --batch prompts at a time; print the worker's pid once warm, then the throughput."""
     import psutil
     from vllm import LLM, SamplingParams
 
@@ -39,8 +40,8 @@ def run_child(args: argparse.Namespace) -> None:
 
     cpu_memory_defaults()
     model = args.model or str(ensure_smollm2())
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, max_num_seqs=1, enforce_eager=True, seed=0,
-              speculative_config=json.loads(args.child))
+    llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.batch, enforce_eager=True,
+              seed=0, speculative_config=json.loads(args.child))
     tokenizer = llm.get_tokenizer()
     questions = [q for qs in load_questions(args.prompts.split(","), args.limit).values() for q in qs]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
@@ -49,16 +50,21 @@ def run_child(args: argparse.Namespace) -> None:
     workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline())]
     print(READY, workers[0].pid if workers else os.getpid(), flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    started, tokens = time.perf_counter(), 0
-    for prompt in prompts:  # one at a time: batch 1
-        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    started, tokens, first = time.perf_counter(), 0, 0
+    # 4 x --batch prompts per call with --batch running at once, so that requests join as others finish (prefills
+    # among decode steps, as in serving); round and round the list until py-spy is done
+    while first < len(prompts) or time.perf_counter() - started < args.seconds + 5:
+        group = [prompts[(first + i) % len(prompts)] for i in range(4 * args.batch)]
+        first += len(group)
+        tokens += sum(len(out.outputs[0].token_ids) for out in llm.generate(group, params, use_tqdm=False))
     elapsed = time.perf_counter() - started
     print("PROFILE_WORKER_RESULT", json.dumps({"tokens": tokens, "seconds": elapsed}), flush=True)
 
 
 def profile(config: dict | None, args: argparse.Namespace, out: Path, label: str) -> dict:
     cmd = [sys.executable, __file__, "--child", json.dumps(config), "--dtype", args.dtype, "--prompts", args.prompts,
-           "--limit", str(args.limit), "--max-tokens", str(args.max_tokens)] + (["--model", args.model]
+           "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--batch", str(args.batch),
+           "--seconds", str(args.seconds)] + (["--model", args.model]
                                                                                if args.model else [])
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     raw = out / f"{label}.raw"
@@ -103,6 +109,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="mt_bench", help="prompt sets, as vllm-treespec bench's --prompts")
     parser.add_argument("--limit", type=int, default=2, help="questions per category")
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--batch", type=int, default=1, help="requests running at once (max_num_seqs)")
     parser.add_argument("--seconds", type=int, default=45, help="py-spy sampling time (generation must outlast it)")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=30)
