@@ -11,8 +11,8 @@
    drafts k nodes per request, as a random tree (verified by vllm_treespec) or as a k-token chain (verified by vLLM's
    own path), switched between runs by RPC. Draft tokens are rare vocabulary ids that greedy decoding never accepts,
    so both modes commit one token per request per step and see the same contexts. Step time = wall time between the
-   engine's outputs, prefill step excluded; runs alternate tree/chain/chain/tree. Tree attention = time in the tree
-   rows (``attn.cpu.stats``) per step.
+   engine's outputs once every request has its first token (prefill steps excluded); runs alternate
+   tree/chain/chain/tree. Tree attention = time in the tree rows (``attn.cpu.stats``) per step.
 
 4. ``--identical`` (long; off by default): bf16, batch 1, greedy: how many outputs of vLLM's ``ngram`` and of the tree
    methods (fast path, and with ``VLLM_TREESPEC_CPU_TREE_PATH=torch`` the torch path) are token-identical to bf16
@@ -319,12 +319,16 @@ def engine_times(nodes: list[int], batches: list[int], dtypes: list[str], steps:
                 for prompt in prompts[:b]:
                     counter[0] += 1
                     engine.add_request(f"r{counter[0]}", prompt, params)
-                stamps = []
+                stamps, started = [], set()
                 while engine.has_unfinished_requests():
-                    if engine.step():
+                    outputs = engine.step()
+                    started.update(o.request_id for o in outputs)
+                    # timed from the step that completed the last request's prefill: with 8 requests the prefills
+                    # can take two steps, and how long the second takes depends on vLLM's prefix cache, not the mode
+                    if outputs and len(started) == b:
                         stamps.append(time.perf_counter())
                 after = llm.collective_rpc(worker_side.attention_stats)[0]
-                measured = len(stamps) - 1  # from the end of the prefill step on
+                measured = len(stamps) - 1
                 step = (stamps[-1] - stamps[0]) / measured
                 tree = (after["tree_seconds"] - before["tree_seconds"]) / measured
                 kernel = (after["kernel_seconds"] - before["kernel_seconds"]) / measured
