@@ -64,8 +64,7 @@ def run_child(args: argparse.Namespace) -> None:
 def profile(config: dict | None, args: argparse.Namespace, out: Path, label: str) -> dict:
     cmd = [sys.executable, __file__, "--child", json.dumps(config), "--dtype", args.dtype, "--prompts", args.prompts,
            "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--batch", str(args.batch),
-           "--seconds", str(args.seconds)] + (["--model", args.model]
-                                                                               if args.model else [])
+           "--seconds", str(args.seconds)] + (["--model", args.model] if args.model else [])
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     raw = out / f"{label}.raw"
     result: dict = {}
