@@ -55,10 +55,11 @@ class EagleModelDrafter(ModelDrafter):
 
     needs_hidden_states = True
 
-    def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None) -> None:
+    def __init__(self, checkpoint: str, *, depth: int, top_k: int, vllm_config: Any = None,
+                 dtype: str = "fastest") -> None:
         from vllm_treespec.eagle.drafter import EagleDrafter  # torch: only once a head is used
 
-        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype="fastest")
+        self.drafter = EagleDrafter.for_target(checkpoint, vllm_config, depth=depth, top_k=top_k, dtype=dtype)
         self.aux_hidden_state_layers = self.drafter.aux_layers
         self.needs_kv_cache = self.drafter.reads_target_kv
         self.vllm_config = vllm_config
@@ -89,8 +90,8 @@ def check_head_path(checkpoint: str, vllm_config: Any) -> None:
                       alternative=', or "eagle_checkpoint": "none" for retrieval-only trees')
 
 
-def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6,
-                       top_k: int = 8) -> ModelDrafter | None:
+def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int = 6, top_k: int = 8,
+                       dtype: str = "fastest") -> ModelDrafter | None:
     """The model drafter for ``eagle_checkpoint``; None for retrieval-only trees.
 
     "auto": the default EAGLE-3 head (trained into the cache, else shipped), "kv_aware": the hybrid KV-aware head
@@ -116,4 +117,4 @@ def load_model_drafter(checkpoint: str | None, vllm_config: Any, *, depth: int =
         checkpoint = str(path)
     else:
         check_head_path(checkpoint, vllm_config)
-    return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config)
+    return EagleModelDrafter(checkpoint, depth=depth, top_k=top_k, vllm_config=vllm_config, dtype=dtype)

@@ -73,7 +73,8 @@ class GraftProposer(TreeProposer):
         self.head_cost = CallCost()  # the head's seconds per drafting step (ingest + draft), by requests
         self.head_gate: DraftGate | None = None
         self.drafter = drafter if drafter is not None else load_model_drafter(
-            opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k)
+            opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k,
+            dtype=opts.eagle_dtype)
         if self.drafter is None:
             logger.warning("graft: no EAGLE head (eagle_checkpoint=%r), so no model drafter: drafting retrieval-only "
                            "trees (draft = the most confident of %s, pruned at depths %s, grafted from the others)",

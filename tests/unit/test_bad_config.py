@@ -69,7 +69,7 @@ BAD_CONFIGS = [
     ("eagle-floor-range", {"method": "eagle_tree", "checkpoint": "/nonexistent/head", "min_node_confidence": 1.5},
      ["min_node_confidence", "[0, 1)"]),
     ("eagle-top-k-type", {"method": "eagle_tree", "top_k": "8"}, ["top_k", "Expected `int`"]),
-    ("eagle-dtype", {"method": "eagle_tree", "dtype": "int8"}, ["dtype"]),
+    ("eagle-dtype", {"method": "eagle_tree", "dtype": "int4"}, ["dtype"]),
     ("kv-aware-checkpoint-missing", {"method": "kv_aware", "checkpoint": "/nonexistent/head"},
      ["checkpoint", "no such file"]),
     ("kv-aware-checkpoint-not-a-head", {"method": "kv_aware", "checkpoint": "/"}, ["checkpoint", "config.json"]),

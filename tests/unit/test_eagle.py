@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -222,28 +223,54 @@ def test_the_heads_linear_layers_run_through_vllms_cpu_gemm(tmp_path):
     assert use_vllm_cpu_gemm(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to route
 
 
-@pytest.mark.parametrize("faster", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("faster", ["bfloat16", "float32", "int8"])
 def test_fastest_dtype_keeps_the_head_whose_layers_time_faster(tmp_path, monkeypatch, faster):
-    """``dtype: "fastest"`` loads the head in bf16 and fp32, times each one's linear layers at a level's rows, and
-    keeps the faster one (bf16 where the CPU has a bf16 GEMM, fp32 where vLLM falls back to torch's: AVX2)."""
+    """``dtype: "fastest"`` loads the head in bf16, in fp32 and with int8 weights, times each one's linear layers at a
+    level's rows, and keeps the fastest (bf16 where the CPU has a bf16 GEMM, fp32 or int8 where vLLM falls back to
+    torch's: AVX2)."""
     from vllm_treespec.eagle import drafter as drafter_module
 
     head, path = small_head(tmp_path)
     timed_rows = []
 
+    def mode_of(module):
+        layer = next(m for m in module.modules() if type(m) is torch.nn.Linear)
+        return "int8" if hasattr(layer, "int8_weight") else str(layer.weight.dtype).removeprefix("torch.")
+
     def linear_seconds(module, rows):
         timed_rows.append(rows)
-        dtype = next(m for m in module.modules() if type(m) is torch.nn.Linear).weight.dtype
-        return 1.0 if dtype == faster else 3.0
+        return 1.0 if mode_of(module) == faster else 3.0
 
     monkeypatch.setattr(drafter_module, "linear_seconds", linear_seconds)
     drafter = EagleDrafter(path, depth=2, top_k=3, dtype="fastest")
     drafter.load(head.embed.weight)
-    assert drafter.dtype == faster and timed_rows == [3, 3]
-    assert all(m.weight.dtype == faster for m in drafter.head.modules() if type(m) is torch.nn.Linear)
+    assert drafter.compute == faster and timed_rows == [3, 3, 3]
+    assert drafter.dtype == (torch.bfloat16 if faster == "bfloat16" else torch.float32)
+    assert all(mode_of(torch.nn.Sequential(m)) == faster for m in drafter.head.modules() if type(m) is torch.nn.Linear)
     ctx = draft_context(np.arange(40) % VOCAB, torch.randn(40, 3, HIDDEN), 0, 30, sampled=[7])
-    drafter.ingest(ctx)  # it drafts in the chosen dtype
+    drafter.ingest(ctx)  # it drafts in the chosen mode
     assert drafter.draft(ctx, [0], 6)[0].num_nodes > 0
+
+
+def test_int8_weights_stay_close_to_the_float_layers():
+    """int8 weights (one scale per output row) with inputs quantized per call: each layer's output within a few
+    percent of the fp32 layer's; the layer keeps its dtype and shapes, and leaves the float weight as it was."""
+    from vllm_treespec.eagle.cpu_gemm import use_int8_weights
+
+    torch.manual_seed(0)
+    float_layers = torch.nn.Sequential(torch.nn.Linear(96, 200), torch.nn.Linear(200, 64, bias=True))
+    quantized = copy.deepcopy(float_layers)
+    assert use_int8_weights(quantized) == 2
+    assert torch.equal(quantized[0].weight, float_layers[0].weight)
+    for shape in [(1, 96), (7, 96), (2, 3, 96)]:
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            want, got = float_layers[0](x), quantized[0](x)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            assert float((got - want).norm() / want.norm()) < 0.03
+            h = torch.randn(*shape[:-1], 200)
+            assert float((quantized[1](h) - float_layers[1](h)).norm() / float_layers[1](h).norm()) < 0.03
+    assert use_int8_weights(torch.nn.Sequential(torch.nn.ReLU())) == 0
 
 
 def test_linear_seconds_times_every_linear_layer(tmp_path):

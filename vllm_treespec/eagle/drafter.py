@@ -30,7 +30,7 @@ import torch
 
 from vllm_treespec.api import DraftTree, ProposeContext
 from vllm_treespec.eagle.checkpoint import load_draft_head
-from vllm_treespec.eagle.cpu_gemm import linear_seconds, use_vllm_cpu_gemm
+from vllm_treespec.eagle.cpu_gemm import linear_seconds, use_int8_weights, use_vllm_cpu_gemm
 from vllm_treespec.eagle.kv_head import is_kv_aware_config
 from vllm_treespec.eagle.model import default_aux_layers
 from vllm_treespec.pruning import below_checkpoint
@@ -68,8 +68,9 @@ class _Growing:
 
 logger = logging.getLogger("vllm.treespec")
 
-#: the compute dtypes a head's ``dtype: "fastest"`` chooses between, by timing its linear layers at load
-HEAD_DTYPE_CANDIDATES = (torch.bfloat16, torch.float32)
+#: the compute modes a head's ``dtype: "fastest"`` chooses between, by timing its linear layers at load: bf16, fp32,
+#: and int8 weights with fp32 activations (:func:`~vllm_treespec.eagle.cpu_gemm.use_int8_weights`)
+HEAD_DTYPE_CANDIDATES = ("bfloat16", "float32", "int8")
 
 #: observed rows kept before their K/V are written anyway (bounds the memory of a long spell without drafts)
 DEFERRED_ROWS = 256
@@ -124,34 +125,47 @@ class EagleDrafter:
     def load(self, embed, target_dtype=None) -> None:
         embed = embed.detach().to("cpu", torch.float32)
         if self.dtype_name == "fastest":
-            dtype, self.head = self._fastest_head(embed)
+            mode, self.head = self._fastest_head(embed)
         else:
-            dtype = (target_dtype or torch.float32) if self.dtype_name == "auto" else getattr(torch, self.dtype_name)
-            self.head = self._load_head(embed, dtype)
+            mode = str(target_dtype or torch.float32).removeprefix("torch.") if self.dtype_name == "auto" \
+                else self.dtype_name
+            self.head = self._load_head(embed, mode)
+            if self.head is None:
+                raise RuntimeError("the draft head's dtype 'int8' needs torch's int8 GEMM (fbgemm), which this CPU "
+                                   "build lacks: use 'fastest' or 'float32'")
+        #: how the head computes: "bfloat16", "float32", "float16" or "int8" (int8 weights, fp32 activations)
+        self.compute = mode
+        dtype = torch.float32 if mode == "int8" else getattr(torch, mode)
         cfg = self.head.cfg
         self.kv_heads, self.heads, self.head_dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.d2t = self.head.draft_to_target.numpy()  # draft id -> target id
         self.dtype = dtype
 
-    def _load_head(self, embed: torch.Tensor, dtype: torch.dtype) -> torch.nn.Module:
-        head = load_draft_head(self.checkpoint, embed=embed, dtype=dtype, default_aux_layers=self.aux_layers)
+    def _load_head(self, embed: torch.Tensor, mode: str) -> torch.nn.Module | None:
+        """The head computing in ``mode`` (a dtype name, or "int8": int8 weights, fp32 activations); None for "int8"
+        where torch has no int8 GEMM."""
+        head = load_draft_head(self.checkpoint, embed=embed, dtype=torch.float32 if mode == "int8" else
+                               getattr(torch, mode), default_aux_layers=self.aux_layers)
         head.eval().requires_grad_(False)
+        if mode == "int8":
+            return head if use_int8_weights(head) else None
         use_vllm_cpu_gemm(head)
         return head
 
-    def _fastest_head(self, embed: torch.Tensor) -> tuple[torch.dtype, torch.nn.Module]:
-        """The head in whichever of bf16 and fp32 runs its linear layers faster here, timed at a level's rows:
-        bf16 halves the weights' bytes where the CPU has a bf16 GEMM (AVX-512 BF16, AMX), and costs several times
-        fp32 where vLLM falls back to torch's bf16 GEMM (AVX2). Only the drafts depend on it, never exactness."""
+    def _fastest_head(self, embed: torch.Tensor) -> tuple[str, torch.nn.Module]:
+        """The head in whichever of bf16, fp32 and int8 weights runs its linear layers faster here, timed at a level's
+        rows: bf16 halves the weights' bytes where the CPU has a bf16 GEMM (AVX-512 BF16, AMX), and costs several times
+        fp32 where vLLM falls back to torch's bf16 GEMM (AVX2); int8 weights quarter fp32's bytes through fbgemm. Only
+        the drafts depend on it, never exactness."""
         timed = {}
-        for dtype in HEAD_DTYPE_CANDIDATES:
-            head = self._load_head(embed, dtype)
-            timed[dtype] = (linear_seconds(head, rows=max(1, self.top_k)), head)
-        best = min(timed, key=lambda d: timed[d][0])
-        logger.info("vllm_treespec: the draft head computes in %s (its linear layers at %d rows: %s)",
-                    str(best).removeprefix("torch."), max(1, self.top_k),
-                    ", ".join(f"{str(d).removeprefix('torch.')} {s * 1e3:.2f} ms" for d, (s, _) in timed.items()))
+        for mode in HEAD_DTYPE_CANDIDATES:
+            head = self._load_head(embed, mode)
+            if head is not None:
+                timed[mode] = (linear_seconds(head, rows=max(1, self.top_k)), head)
+        best = min(timed, key=lambda m: timed[m][0])
+        logger.info("vllm_treespec: the draft head computes in %s (its linear layers at %d rows: %s)", best,
+                    max(1, self.top_k), ", ".join(f"{m} {s * 1e3:.2f} ms" for m, (s, _) in timed.items()))
         return best, timed[best][1]
 
     # --- per-request KV ---------------------------------------------------------------------------------------
