@@ -64,10 +64,11 @@ class EagleTreeOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     depth: int = 6
     #: children per expanded node, and nodes expanded per level
     top_k: int = 8
-    #: the head's compute dtype: "fastest" = bf16, fp32 or int8 weights, whichever runs the head's layers fastest on
-    #: this CPU (timed at load: bf16 halves the weights' bytes where the CPU has a bf16 GEMM, and costs several times
-    #: fp32 where vLLM falls back to torch's, as on AVX2; "int8" = int8 weights, fp32 activations, through fbgemm),
-    #: "auto" = the target's. Verification stays exact whatever it is
+    #: the head's compute dtype: "fastest" = bf16 or fp32, whichever runs the head's layers faster on this CPU (timed
+    #: at load: bf16 halves the weights' bytes where the CPU has a bf16 GEMM, and costs several times fp32 where
+    #: vLLM falls back to torch's, as on AVX2), "auto" = the target's, "int8" = int8 weights with fp32 activations
+    #: (fbgemm; about half fp32's time on an AVX2 CPU, not chosen by "fastest"). Verification stays exact whatever
+    #: it is
     dtype: Literal["fastest", "auto", "float32", "bfloat16", "float16", "int8"] = "fastest"
     #: requests whose draft KV is kept (least recently used ones are dropped first)
     max_cached_requests: int = 1024

@@ -61,8 +61,8 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     eagle_depth: int = 6
     #: the model drafter's children per expanded node and nodes expanded per level (eagle_tree's ``top_k``)
     eagle_top_k: int = 8
-    #: the model drafter's compute dtype (eagle_tree's ``dtype``): "fastest" = bf16, fp32 or int8 weights, whichever
-    #: runs the head's layers fastest on this CPU (timed at load)
+    #: the model drafter's compute dtype (eagle_tree's ``dtype``): "fastest" = bf16 or fp32, whichever runs the
+    #: head's layers faster on this CPU (timed at load); "int8" = int8 weights, fp32 activations
     eagle_dtype: Literal["fastest", "auto", "float32", "bfloat16", "float16", "int8"] = "fastest"
     #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
     #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)

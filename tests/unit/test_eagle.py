@@ -223,33 +223,57 @@ def test_the_heads_linear_layers_run_through_vllms_cpu_gemm(tmp_path):
     assert use_vllm_cpu_gemm(torch.nn.Sequential(torch.nn.ReLU())) == 0  # nothing to route
 
 
-@pytest.mark.parametrize("faster", ["bfloat16", "float32", "int8"])
+@pytest.mark.parametrize("faster", ["bfloat16", "float32"])
 def test_fastest_dtype_keeps_the_head_whose_layers_time_faster(tmp_path, monkeypatch, faster):
-    """``dtype: "fastest"`` loads the head in bf16, in fp32 and with int8 weights, times each one's linear layers at a
-    level's rows, and keeps the fastest (bf16 where the CPU has a bf16 GEMM, fp32 or int8 where vLLM falls back to
-    torch's: AVX2)."""
+    """``dtype: "fastest"`` loads the head in bf16 and fp32, times each one's linear layers at a level's rows, and
+    keeps the faster one (bf16 where the CPU has a bf16 GEMM, fp32 where vLLM falls back to torch's: AVX2)."""
     from vllm_treespec.eagle import drafter as drafter_module
 
     head, path = small_head(tmp_path)
     timed_rows = []
 
-    def mode_of(module):
-        layer = next(m for m in module.modules() if type(m) is torch.nn.Linear)
-        return "int8" if hasattr(layer, "int8_weight") else str(layer.weight.dtype).removeprefix("torch.")
-
     def linear_seconds(module, rows):
         timed_rows.append(rows)
-        return 1.0 if mode_of(module) == faster else 3.0
+        dtype = next(m for m in module.modules() if type(m) is torch.nn.Linear).weight.dtype
+        return 1.0 if str(dtype).removeprefix("torch.") == faster else 3.0
 
     monkeypatch.setattr(drafter_module, "linear_seconds", linear_seconds)
     drafter = EagleDrafter(path, depth=2, top_k=3, dtype="fastest")
     drafter.load(head.embed.weight)
-    assert drafter.compute == faster and timed_rows == [3, 3, 3]
-    assert drafter.dtype == (torch.bfloat16 if faster == "bfloat16" else torch.float32)
-    assert all(mode_of(torch.nn.Sequential(m)) == faster for m in drafter.head.modules() if type(m) is torch.nn.Linear)
+    assert drafter.compute == faster and drafter.dtype == getattr(torch, faster) and timed_rows == [3, 3]
+    assert all(m.weight.dtype == drafter.dtype for m in drafter.head.modules() if type(m) is torch.nn.Linear)
     ctx = draft_context(np.arange(40) % VOCAB, torch.randn(40, 3, HIDDEN), 0, 30, sampled=[7])
-    drafter.ingest(ctx)  # it drafts in the chosen mode
+    drafter.ingest(ctx)  # it drafts in the chosen dtype
     assert drafter.draft(ctx, [0], 6)[0].num_nodes > 0
+
+
+def test_int8_head_drafts_close_to_the_fp32_head(tmp_path):
+    """``dtype: "int8"``: every linear layer of the head multiplies with int8 weights (fp32 activations and cache), and
+    the drafted tree's nodes are mostly those of the fp32 head (the drafts only steer; verification stays exact)."""
+    head, path = small_head(tmp_path)
+    trees = {}
+    for mode in ("float32", "int8"):
+        drafter = EagleDrafter(path, depth=3, top_k=4, dtype=mode)
+        drafter.load(head.embed.weight)
+        assert drafter.compute == mode and drafter.dtype == torch.float32
+        linears = [m for m in drafter.head.modules() if type(m) is torch.nn.Linear]
+        assert linears and all(hasattr(m, "int8_weight") == (mode == "int8") for m in linears)
+        torch.manual_seed(0)
+        ctx = draft_context(np.arange(40) % VOCAB, torch.randn(40, 3, HIDDEN), 0, 30, sampled=[7])
+        drafter.ingest(ctx)
+        trees[mode] = drafter.draft(ctx, [0], 12)[0]
+    ref, got = trees["float32"], trees["int8"]
+    assert got.num_nodes == ref.num_nodes
+    paths = [{tuple(_path(t, j)) for j in range(t.num_nodes)} for t in (ref, got)]
+    assert len(paths[0] & paths[1]) >= ref.num_nodes // 2  # 9 of 12 on the development CPU
+
+
+def _path(tree, node: int) -> list[int]:
+    tokens = []
+    while node >= 0:
+        tokens.append(int(tree.token_ids[node]))
+        node = int(tree.parents[node])
+    return tokens[::-1]
 
 
 def test_int8_weights_stay_close_to_the_float_layers():

@@ -68,9 +68,11 @@ class _Growing:
 
 logger = logging.getLogger("vllm.treespec")
 
-#: the compute modes a head's ``dtype: "fastest"`` chooses between, by timing its linear layers at load: bf16, fp32,
-#: and int8 weights with fp32 activations (:func:`~vllm_treespec.eagle.cpu_gemm.use_int8_weights`)
-HEAD_DTYPE_CANDIDATES = ("bfloat16", "float32", "int8")
+#: the compute modes a head's ``dtype: "fastest"`` chooses between, by timing its linear layers at load. Not "int8"
+#: (int8 weights, fp32 activations: :func:`~vllm_treespec.eagle.cpu_gemm.use_int8_weights`): on the AVX2 CPU it
+#: halves the head's linear time and drafts as well offline, yet graft at its defaults ran slower with it (0.94x no
+#: speculation against 1.03x with the fp32 head, docs/benchmarks.md), so it is chosen by name only
+HEAD_DTYPE_CANDIDATES = ("bfloat16", "float32")
 
 #: observed rows kept before their K/V are written anyway (bounds the memory of a long spell without drafts)
 DEFERRED_ROWS = 256
@@ -154,10 +156,10 @@ class EagleDrafter:
         return head
 
     def _fastest_head(self, embed: torch.Tensor) -> tuple[str, torch.nn.Module]:
-        """The head in whichever of bf16, fp32 and int8 weights runs its linear layers faster here, timed at a level's
-        rows: bf16 halves the weights' bytes where the CPU has a bf16 GEMM (AVX-512 BF16, AMX), and costs several times
-        fp32 where vLLM falls back to torch's bf16 GEMM (AVX2); int8 weights quarter fp32's bytes through fbgemm. Only
-        the drafts depend on it, never exactness."""
+        """The head in whichever of :data:`HEAD_DTYPE_CANDIDATES` runs its linear layers faster here, timed at a
+        level's rows: bf16 halves the weights' bytes where the CPU has a bf16 GEMM (AVX-512 BF16, AMX), and costs
+        several times fp32 where vLLM falls back to torch's bf16 GEMM (AVX2). Only the drafts depend on it, never
+        exactness."""
         timed = {}
         for mode in HEAD_DTYPE_CANDIDATES:
             head = self._load_head(embed, mode)
