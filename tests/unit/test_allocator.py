@@ -224,6 +224,34 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
     assert plain == pytest.approx(2 / 0.066)
 
 
+def test_a_drafter_cheaper_than_its_share_of_a_step_drafts_every_step():
+    """A drafter whose measured call costs at most ``free_share`` of a plain step is called on every step, even where
+    its recent trees did not pay (the allocation admits none of their nodes then, so the step runs plain); a dearer
+    one, or one not measured yet whose trees do not pay, waits for its probes."""
+
+    class Drafter:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def predict(self, x):
+            return self.seconds
+
+    trees = [star([0.5, 0.4, 0.3, 0.2])]  # nothing here pays on STEEP (a 60 ms token)
+    cheap = DraftGate(STEEP, Drafter(0.0005), probe_every=4)  # 0.5 ms: under 2% of a 60 ms plain step
+    dear = DraftGate(STEEP, Drafter(0.0015), probe_every=4)
+    unmeasured = DraftGate(STEEP, Drafter(None), probe_every=4)
+    for gate in (cheap, dear, unmeasured):
+        gate.record(trees)
+    assert [cheap.should_draft(1) for _ in range(10)] == [True] * 10 and not cheap.probing
+    assert allocate(trees, STEEP).total_nodes == 0
+    assert [dear.should_draft(1) for _ in range(5)] == [False] * 4 + [True] and dear.probing
+    assert [unmeasured.should_draft(1) for _ in range(5)] == [False] * 4 + [True]
+    # the share is relative to the step: at 8 requests the same call is a smaller part of a longer step
+    batch = DraftGate(STEEP, Drafter(0.0015), probe_every=4)
+    batch.record(trees * 8)
+    assert batch.should_draft(8) and not batch.probing
+
+
 def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():
     """Where drafting does not pay, a probe may add to its step no more than ``probe_share`` of the predicted time of
     the steps skipped since the last probe."""

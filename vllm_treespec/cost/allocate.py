@@ -192,6 +192,11 @@ class DraftGate:
     trees are worth. A probe after which drafting still does not pay doubles the wait for the next one, up to
     ``max_probe_every``; a step that drafts again resets it.
 
+    A drafter whose measured call costs at most ``free_share`` of a plain step drafts on every step, without probes:
+    the allocation still admits only the nodes that pay, so a step that admits none costs just the call, and a
+    retrieval drafter's match (a passage repeated from the prompt) is verified on the step it appears, not at the
+    next probe.
+
     A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
     and a probe may add no more than that to its step (``probe_seconds``, for :func:`allocate`'s
     ``max_extra_seconds``). Where a verified token costs most of a step (bf16 on an AVX2 CPU) a probe of 16 nodes
@@ -202,8 +207,9 @@ class DraftGate:
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
                  probe_every: int = 16, overhead: float = 0.0, max_probe_every: int = 128,
-                 probe_share: float = 0.01) -> None:
+                 probe_share: float = 0.01, free_share: float = 0.02) -> None:
         self.cost = cost
+        self.free_share = free_share
         self.drafter_cost = drafter_cost
         self.alpha = alpha
         self.probe_every = probe_every
@@ -257,12 +263,13 @@ class DraftGate:
             return False
         if self.marginal is None:  # nothing known yet: draft, and learn
             return self._probe(None)
-        # a drafter not timed yet counts as free: it drafts, and is timed
-        drafter = (self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None) or 0.0
+        measured = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
+        drafter = measured or 0.0  # a drafter not timed yet counts as free: it drafts, and is timed
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
-        if best > plain:
+        cheap = measured is not None and plain > 0 and measured <= self.free_share * num_reqs / plain
+        if best > plain or cheap:
             self.skipped = 0
             self.interval = self.probe_every
             return True

@@ -54,17 +54,18 @@ class StepTime:
 
 
 class DrafterCost:
-    """The drafter's seconds per call: timed online (:class:`CallCost`), else a start-up probe's curve, else 0."""
+    """The drafter's seconds per call: timed online (:class:`CallCost`), else a start-up probe's curve, else None
+    (not measured yet)."""
 
     def __init__(self, probed: CurveModel | None = None) -> None:
         self.probed = probed
         self.timed = CallCost()
 
-    def predict(self, num_reqs: float) -> float:
+    def predict(self, num_reqs: float) -> float | None:
         timed = self.timed.predict(num_reqs)
         if timed is not None:
             return timed
-        return self.probed.predict(num_reqs) if self.probed is not None else 0.0
+        return self.probed.predict(num_reqs) if self.probed is not None else None
 
 
 class StepBudget:
