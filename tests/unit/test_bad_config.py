@@ -70,6 +70,7 @@ BAD_CONFIGS = [
      ["min_node_confidence", "[0, 1)"]),
     ("eagle-top-k-type", {"method": "eagle_tree", "top_k": "8"}, ["top_k", "Expected `int`"]),
     ("eagle-dtype", {"method": "eagle_tree", "dtype": "int4"}, ["dtype"]),
+    ("graft-eagle-dtype", {"method": "graft", "eagle_dtype": "int4"}, ["eagle_dtype"]),
     ("kv-aware-checkpoint-missing", {"method": "kv_aware", "checkpoint": "/nonexistent/head"},
      ["checkpoint", "no such file"]),
     ("kv-aware-checkpoint-not-a-head", {"method": "kv_aware", "checkpoint": "/"}, ["checkpoint", "config.json"]),

@@ -9,6 +9,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from eagle_helpers import HIDDEN, VOCAB, small_head
 from vllm_treespec.eagle import default_head
@@ -202,6 +203,20 @@ def test_graft_refuses_a_head_path_for_another_model(tmp_path):
                                                  r".*\"eagle_checkpoint\": \"none\""):
         load_model_drafter(path, fake_vllm_config(vocab_size=49152))
     assert isinstance(load_model_drafter(path, fake_vllm_config()), EagleModelDrafter)
+
+
+def test_graft_eagle_dtype_reaches_the_drafter(tmp_path):
+    """graft's ``eagle_dtype`` picks the head's compute mode as eagle_tree's ``dtype`` does ("fastest" by default)."""
+    from vllm_treespec.proposers.graft.drafter import load_model_drafter
+    from vllm_treespec.proposers.graft.options import GraftOptions
+
+    head, path = small_head(tmp_path)
+    assert GraftOptions().eagle_dtype == "fastest"
+    assert load_model_drafter(path, fake_vllm_config()).drafter.dtype_name == "fastest"
+    drafter = load_model_drafter(path, fake_vllm_config(), dtype="int8").drafter
+    drafter.load(head.embed.weight)
+    assert drafter.compute == "int8" and all(hasattr(m, "int8_weight") for m in drafter.head.modules()
+                                             if type(m) is torch.nn.Linear)
 
 
 def test_graft_auto_skips_a_default_head_for_another_model_with_one_line(tmp_path, head_dirs, tree_logs):
