@@ -264,16 +264,8 @@ def test_int8_head_drafts_close_to_the_fp32_head(tmp_path):
         trees[mode] = drafter.draft(ctx, [0], 12)[0]
     ref, got = trees["float32"], trees["int8"]
     assert got.num_nodes == ref.num_nodes
-    paths = [{tuple(_path(t, j)) for j in range(t.num_nodes)} for t in (ref, got)]
+    paths = [{tuple(t.token_ids[t.path_to(j)].tolist()) for j in range(t.num_nodes)} for t in (ref, got)]
     assert len(paths[0] & paths[1]) >= ref.num_nodes // 2  # 9 of 12 on the development CPU
-
-
-def _path(tree, node: int) -> list[int]:
-    tokens = []
-    while node >= 0:
-        tokens.append(int(tree.token_ids[node]))
-        node = int(tree.parents[node])
-    return tokens[::-1]
 
 
 def test_int8_weights_stay_close_to_the_float_layers():

@@ -59,7 +59,7 @@ def use_int8_weights(module: torch.nn.Module) -> int:
     """Every CPU ``nn.Linear`` of ``module`` multiplies with int8 weights (symmetric, one scale per output row) and
     its input quantized per call (torch's dynamic int8 linear, fbgemm's kernels; the range reduced to 7 bits as
     fbgemm needs on AVX2): the weights' bytes are a quarter of fp32's, and the head is memory-bound at a level's
-    rows (2.2x faster than fp32 through vLLM's dispatch at 8 rows on an AVX2 CPU, ``scripts/bench_head_gemm.py``).
+    rows (1.9x faster than fp32 through vLLM's dispatch at 8 rows on an AVX2 CPU, ``scripts/bench_head_gemm.py``).
     Inputs and outputs stay in the module's dtype. Inference only (the weights are packed once). Returns how many
     layers were converted; 0 (and one log line) where torch has no int8 GEMM here, leaving the module as it was."""
     layers = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]

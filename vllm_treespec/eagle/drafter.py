@@ -74,6 +74,12 @@ logger = logging.getLogger("vllm.treespec")
 #: speculation against 1.03x with the fp32 head, docs/benchmarks.md), so it is chosen by name only
 HEAD_DTYPE_CANDIDATES = ("bfloat16", "float32")
 
+
+def activation_dtype(mode: str) -> torch.dtype:
+    """The dtype of a head's activations and draft cache in compute ``mode`` (int8 weights compute in fp32)."""
+    return torch.float32 if mode == "int8" else getattr(torch, mode)
+
+
 #: observed rows kept before their K/V are written anyway (bounds the memory of a long spell without drafts)
 DEFERRED_ROWS = 256
 
@@ -137,7 +143,7 @@ class EagleDrafter:
                                    "build lacks: use 'fastest' or 'float32'")
         #: how the head computes: "bfloat16", "float32", "float16" or "int8" (int8 weights, fp32 activations)
         self.compute = mode
-        dtype = torch.float32 if mode == "int8" else getattr(torch, mode)
+        dtype = activation_dtype(mode)
         cfg = self.head.cfg
         self.kv_heads, self.heads, self.head_dim = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -147,8 +153,8 @@ class EagleDrafter:
     def _load_head(self, embed: torch.Tensor, mode: str) -> torch.nn.Module | None:
         """The head computing in ``mode`` (a dtype name, or "int8": int8 weights, fp32 activations); None for "int8"
         where torch has no int8 GEMM."""
-        head = load_draft_head(self.checkpoint, embed=embed, dtype=torch.float32 if mode == "int8" else
-                               getattr(torch, mode), default_aux_layers=self.aux_layers)
+        head = load_draft_head(self.checkpoint, embed=embed, dtype=activation_dtype(mode),
+                               default_aux_layers=self.aux_layers)
         head.eval().requires_grad_(False)
         if mode == "int8":
             return head if use_int8_weights(head) else None
@@ -163,8 +169,7 @@ class EagleDrafter:
         timed = {}
         for mode in HEAD_DTYPE_CANDIDATES:
             head = self._load_head(embed, mode)
-            if head is not None:
-                timed[mode] = (linear_seconds(head, rows=max(1, self.top_k)), head)
+            timed[mode] = (linear_seconds(head, rows=max(1, self.top_k)), head)
         best = min(timed, key=lambda m: timed[m][0])
         logger.info("vllm_treespec: the draft head computes in %s (its linear layers at %d rows: %s)", best,
                     max(1, self.top_k), ", ".join(f"{m} {s * 1e3:.2f} ms" for m, (s, _) in timed.items()))
