@@ -72,6 +72,7 @@ class GraftProposer(TreeProposer):
         self._explicit_budget = opts.knee_tokens is not None or bool(calibration and calibration.budget_by_batch)
         self.head_cost = CallCost()  # the head's seconds per drafting step (ingest + draft), by requests
         self.head_gate: DraftGate | None = None
+        self.retrieval_gate: DraftGate | None = None  # what the retrieval-only trees are worth (no drafter cost)
         self.drafter = drafter if drafter is not None else load_model_drafter(
             opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k,
             dtype=opts.eagle_dtype)
@@ -127,8 +128,9 @@ class GraftProposer(TreeProposer):
 
     def head_drafts(self, ctx: ProposeContext, budget: int, num_drafting: int) -> bool:
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
-        beat its measured cost, and on every probe of the verifier's gate (``model_draft_max_batch``, if given, still
-        caps the batch), else up to ``model_draft_max_batch`` requests."""
+        beat its measured cost, both against plain decoding and against the retrieval-only trees graft drafts without
+        it (a head that adds little to a confident match only costs), and on every probe of the verifier's gate
+        (``model_draft_max_batch``, if given, still caps the batch); else up to ``model_draft_max_batch`` requests."""
         if self.drafter is None or budget <= 0 or num_drafting == 0:
             return False
         if ctx.step_cost is None:
@@ -138,9 +140,17 @@ class GraftProposer(TreeProposer):
         if self.head_gate is None:
             self.head_gate = DraftGate(ctx.step_cost, self.head_cost)
         self.head_gate.cost = ctx.step_cost
+        if self.retrieval_gate is None:
+            self.retrieval_gate = DraftGate(ctx.step_cost, None)
+        self.retrieval_gate.cost = ctx.step_cost
         if ctx.probing:  # the verifier's probe must measure the trees graft would draft once drafting pays
             return True
-        return self.head_gate.should_draft(num_drafting, budget)
+        if not self.head_gate.should_draft(num_drafting, budget):
+            return False
+        if self.head_gate.probing or self.head_gate.last_rates is None or self.retrieval_gate.marginal is None:
+            return True
+        retrieval_best, _ = self.retrieval_gate.expected_best(num_drafting, budget)
+        return self.head_gate.last_rates[0] > retrieval_best  # the head's trees beat the retrieval-only ones
 
     # --- proposing -------------------------------------------------------------------------------------------------
     def observe(self, ctx: ProposeContext) -> None:
@@ -173,6 +183,8 @@ class GraftProposer(TreeProposer):
         assembled = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor) for i in rows}
         if use_drafter and self.head_gate is not None:
             self.head_gate.record([a.tree for a in assembled.values()])  # what the head's trees are worth
+        elif self.retrieval_gate is not None:
+            self.retrieval_gate.record([a.tree for a in assembled.values()])
         for i, a in assembled.items():
             # the raw numbers and their sources: the verifier calibrates them (the same rates graft ranked by)
             trees[i] = DraftTree(a.tree.token_ids, a.tree.parents, a.raw_probs.astype(np.float32), a.sources)

@@ -252,6 +252,55 @@ def test_a_drafter_cheaper_than_its_share_of_a_step_drafts_every_step():
     assert batch.should_draft(8) and not batch.probing
 
 
+def test_a_drafter_whose_rare_matches_pay_for_its_calls_drafts_every_step():
+    """A drafter dearer than ``free_share`` whose trees are worthless on most steps and a sure match on some (a
+    retrieval hit) keeps drafting while what its allocations saved, averaged over its calls, beats its call; the
+    mean of its trees' gains says the opposite. Where matches are too rare for the call, it waits for probes."""
+
+    class Drafter:
+        def predict(self, x):
+            return 0.003  # 5% of MIDDLE's 60 ms plain step: not free
+
+    match, miss = [star([1.0, 1.0, 1.0])], [star([0.05])]
+
+    def run(gate, every, steps):
+        decisions = []
+        for step in range(steps):
+            decisions.append(gate.should_draft(1))
+            if decisions[-1]:
+                trees = match if step % every == 0 else miss
+                gate.record(trees)
+                gate.allocated(allocate(trees, MIDDLE))
+        return decisions
+
+    frequent = DraftGate(MIDDLE, Drafter(), probe_every=4)
+    decisions = run(frequent, every=10, steps=200)
+    # a match saves 3 tokens (180 ms) for 18 ms: 16 ms a call averaged over ten calls, against the call's 3 ms
+    assert all(decisions) and frequent.surplus > 0.003
+    best, plain = frequent.expected_best(1, drafter_seconds=0.003)
+    assert best < plain  # the averaged gains alone would have kept it off
+    rare = DraftGate(MIDDLE, Drafter(), probe_every=4)
+    decisions = run(rare, every=400, steps=400)
+    # the one match keeps it drafting while its saving lasts (~70 calls at surplus_alpha 0.05), then it waits
+    assert all(decisions[:60]) and decisions[200:].count(True) <= 4 and rare.surplus < 0.003
+    # a call that proposed nothing saved nothing
+    rare.allocated(None)
+    assert rare.surplus < 0.003
+
+
+def test_a_probes_saving_is_counted_at_its_corrected_price():
+    """A probe's trees are priced without the expectation correction and the tree work; what it saved is counted
+    with both."""
+    trees = [star([1.0, 1.0])]
+    full, corrected = DraftGate(MIDDLE), DraftGate(MIDDLE)
+    allocation = allocate(trees, MIDDLE)
+    assert allocation.admitted_gain == pytest.approx(2.0) and allocation.total_nodes == 2
+    full.allocated(allocation)
+    corrected.allocated(allocation, correction=0.5, extra_seconds=0.01)
+    assert full.surplus == pytest.approx(3 * 0.060 - 0.072)
+    assert corrected.surplus == pytest.approx(2 * 0.060 - 0.072 - 0.01)
+
+
 def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():
     """Where drafting does not pay, a probe may add to its step no more than ``probe_share`` of the predicted time of
     the steps skipped since the last probe."""

@@ -591,3 +591,44 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     pair.probing = True  # ...but the verifier's probe measures the trees graft drafts when drafting pays
     p.propose_trees(pair)
     assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1
+
+
+def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_cost():
+    """The head's gate weighs its trees, with its measured cost, against the retrieval-only trees graft drafts
+    without it, not only against plain decoding: a head that adds little to a confident retrieval match sits out."""
+
+    class CountingDrafter(ScriptedDrafter):
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    def graft_with(head_probs, successor_prob):
+        drafter = CountingDrafter({0: head_probs})
+        p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
+                          vocab_size=VOCAB)
+        p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), successor_prob))
+        return p, drafter
+
+    def step(p, cost):
+        ctx = make_ctx([[1, 2, 3]])
+        ctx.step_cost = cost
+        p.propose_trees(ctx)
+
+    cheap_tokens = Linear(0.05, 0.004)
+    # a weak head against a 0.95-a-token successor chain; a confident head against a 0.3-a-token one
+    for head_probs, successor_prob, head_drafts in (([0.3, 0.3], 0.95, False), ([0.99] * 4, 0.3, True)):
+        p, drafter = graft_with(head_probs, successor_prob)
+        step(p, cheap_tokens)  # no history: the head drafts, and its trees are priced
+        p.head_cost.observe(1, 0.01)
+        p.head_cost.observe(1, 0.01)  # 10 ms a call
+        expensive = p.head_cost.buckets
+        p.head_cost.buckets = {0: 10.0}  # a moment where the head cannot pay: graft drafts retrieval-only
+        step(p, cheap_tokens)
+        assert p.stats.retrieval_only_steps == 1 and p.retrieval_gate.marginal is not None
+        p.head_cost.buckets = expensive
+        before = drafter.ingested
+        for _ in range(3):
+            step(p, cheap_tokens)
+        assert p.head_gate.should_draft(1, 8)  # the head alone would pay against plain decoding either way...
+        assert (drafter.ingested > before) == head_drafts, head_probs  # ...but must beat the retrieval-only trees

@@ -80,6 +80,7 @@ class Allocation:
     seconds: float  # predicted step time
     plain_rate: float  # tokens per second without these drafts
     gains: np.ndarray = field(default_factory=lambda: np.zeros(0))  # path probs of the candidates, best first
+    admitted_gain: float = 0.0  # expected accepted drafts of the admitted nodes (expected_tokens less plain's)
 
     @property
     def rate(self) -> float:
@@ -177,7 +178,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
         keep[mine] = True
         num_nodes[i] = int(keep.sum())
         out.append(trim(tree, keep) if num_nodes[i] else None)
-    return Allocation(out, num_nodes, expected, seconds, plain, gains)
+    return Allocation(out, num_nodes, expected, seconds, plain, gains, expected - base_expected)
 
 
 class DrafterCost(Protocol):
@@ -195,7 +196,10 @@ class DraftGate:
     A drafter whose measured call costs at most ``free_share`` of a plain step drafts on every step, without probes:
     the allocation still admits only the nodes that pay, so a step that admits none costs just the call, and a
     retrieval drafter's match (a passage repeated from the prompt) is verified on the step it appears, not at the
-    next probe.
+    next probe. So does a drafter whose recent allocations saved more seconds per call than the call costs
+    (:meth:`allocated`): the mean of its trees' gains hides a drafter whose trees are worthless on most steps and
+    pay well on a few (a retrieval match every tenth step); what each allocation saved, averaged over the steps,
+    does not.
 
     A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
     and a probe may add no more than that to its step (``probe_seconds``, for :func:`allocate`'s
@@ -207,9 +211,12 @@ class DraftGate:
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
                  probe_every: int = 16, overhead: float = 0.0, max_probe_every: int = 128,
-                 probe_share: float = 0.01, free_share: float = 0.02) -> None:
+                 probe_share: float = 0.01, free_share: float = 0.02, surplus_alpha: float = 0.05) -> None:
         self.cost = cost
         self.free_share = free_share
+        self.surplus_alpha = surplus_alpha
+        #: seconds per drafted step its allocations saved against plain decoding (exponentially weighted; None: none)
+        self.surplus: float | None = None
         self.drafter_cost = drafter_cost
         self.alpha = alpha
         self.probe_every = probe_every
@@ -241,6 +248,18 @@ class DraftGate:
         old = np.pad(self.marginal, (0, size - self.marginal.size))
         self.marginal = (1 - self.alpha) * old + self.alpha * np.pad(current, (0, size - current.size))
 
+    def allocated(self, allocation: Allocation | None, correction: float = 1.0, extra_seconds: float = 0.0) -> None:
+        """Learn from one drafted step's allocation what drafting saved: the seconds plain decoding would take for its
+        expected tokens, less its predicted step (zero when it admitted nothing; None: the drafter proposed nothing).
+        A probe's allocation is priced without the expectation correction and the tree work: ``correction`` scales
+        its expected gain and ``extra_seconds`` is added to its step."""
+        saved = 0.0
+        if allocation is not None and allocation.total_nodes and allocation.plain_rate > 0:
+            tokens = allocation.expected_tokens - (1 - correction) * allocation.admitted_gain
+            saved = max(tokens / allocation.plain_rate - allocation.seconds - extra_seconds, 0.0)
+        self.surplus = saved if self.surplus is None else (
+            (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved)
+
     def expected_best(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                       drafter_seconds: float = 0.0) -> tuple[float, float]:
         """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests."""
@@ -269,7 +288,8 @@ class DraftGate:
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
         cheap = measured is not None and plain > 0 and measured <= self.free_share * num_reqs / plain
-        if best > plain or cheap:
+        saves = measured is not None and self.surplus is not None and self.surplus > measured
+        if best > plain or cheap or saves:
             self.skipped = 0
             self.interval = self.probe_every
             return True

@@ -124,18 +124,26 @@ class StepBudget:
         if self.trace is not None:
             rates = self.gate.last_rates
             self.trace.plan(gate="probe" if self.gate.probing else "draft" if draft else "skip",
-                            **({"best": rates[0], "plain": rates[1]} if rates is not None else {}))
+                            **({"best": rates[0], "plain": rates[1]} if rates is not None else {}),
+                            **({"surplus_ms": self.gate.surplus * 1e3} if self.gate.surplus is not None else {}))
         return draft
 
     def drafted(self, num_reqs: int, seconds: float) -> None:
         """The drafter's call for ``num_reqs`` requests took ``seconds``."""
         self.drafter_cost.timed.observe(num_reqs, seconds)
         self._cycle_other += seconds
+        if self.trace is not None:
+            self.trace.plan(drafter_ms=seconds * 1e3)
 
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
-              base_tokens: int | None = None) -> list[DraftTree | None]:
-        """The trees trimmed to the nodes that pay (only those with node_probs change)."""
+              base_tokens: int | None = None, drafted: bool = True, correction: float = 1.0
+              ) -> list[DraftTree | None]:
+        """The trees trimmed to the nodes that pay (only those with node_probs change). ``drafted``: the drafter was
+        called for them (False: the gate skipped it, and the trees are all None); ``correction``: the expectation
+        correction a probe's trees were priced without."""
         if not any(t is not None and t.node_probs is not None for t in trees):
+            if drafted and all(t is None for t in trees):
+                self.gate.allocated(None)  # a call that proposed nothing saved nothing
             return list(trees)
         self.gate.record(trees)
         # a probe's trees are verified without the tree work's price, so that price is measured again
@@ -145,6 +153,10 @@ class StepBudget:
                               overhead=overhead, min_gain=self.min_gain,
                               max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None)
         self.last = allocation
+        if self.gate.probing:
+            self.gate.allocated(allocation, correction, self.tree_work.seconds)
+        else:
+            self.gate.allocated(allocation)
         self.stats["allocations"] += 1
         self.stats["probes"] += self.gate.probing
         self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)

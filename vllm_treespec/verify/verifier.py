@@ -131,7 +131,8 @@ class TreeVerifier:
             # so once it has stopped the drafting, probes priced by it verify a node or two and it never recovers
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
-            trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing), num_reqs)
+            trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing), num_reqs,
+                                      drafted=bool(drafting), correction=self.acceptance.expectation.factor)
             if self.budget.trace is not None:
                 self.budget.trace.plan(factor=self.acceptance.expectation.factor)
         if tracking:
