@@ -215,8 +215,9 @@ class DraftGate:
         self.cost = cost
         self.free_share = free_share
         self.surplus_alpha = surplus_alpha
-        #: seconds per drafted step its allocations saved against plain decoding (exponentially weighted; None: none)
-        self.surplus: float | None = None
+        #: seconds per drafted step its allocations saved against plain decoding, exponentially weighted from 0 (one
+        #: lucky probe does not start a run of calls; a sure match, saving whole steps, does)
+        self.surplus = 0.0
         self.drafter_cost = drafter_cost
         self.alpha = alpha
         self.probe_every = probe_every
@@ -257,8 +258,7 @@ class DraftGate:
         if allocation is not None and allocation.total_nodes and allocation.plain_rate > 0:
             tokens = allocation.expected_tokens - (1 - correction) * allocation.admitted_gain
             saved = max(tokens / allocation.plain_rate - allocation.seconds - extra_seconds, 0.0)
-        self.surplus = saved if self.surplus is None else (
-            (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved)
+        self.surplus = (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved
 
     def expected_best(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                       drafter_seconds: float = 0.0) -> tuple[float, float]:
@@ -288,7 +288,7 @@ class DraftGate:
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
         cheap = measured is not None and plain > 0 and measured <= self.free_share * num_reqs / plain
-        saves = measured is not None and self.surplus is not None and self.surplus > measured
+        saves = measured is not None and self.surplus > measured
         if best > plain or cheap or saves:
             self.skipped = 0
             self.interval = self.probe_every

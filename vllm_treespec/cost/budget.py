@@ -125,7 +125,7 @@ class StepBudget:
             rates = self.gate.last_rates
             self.trace.plan(gate="probe" if self.gate.probing else "draft" if draft else "skip",
                             **({"best": rates[0], "plain": rates[1]} if rates is not None else {}),
-                            **({"surplus_ms": self.gate.surplus * 1e3} if self.gate.surplus is not None else {}))
+                            surplus_ms=self.gate.surplus * 1e3)
         return draft
 
     def drafted(self, num_reqs: int, seconds: float) -> None:
