@@ -190,6 +190,9 @@ class ProposeContext:
     probing: the step budget's gate drafts this step only to learn what the trees are worth now (it had stopped
         drafting because they did not pay): draft as fully as you can, or the probe measures a lesser tree than the
         one you would draft once drafting pays (graft's head drafts on every probe).
+    expectation_factor: the step budget's recent accepted-over-expected drafts, by which it scales every calibrated
+        path probability before weighing the nodes (1.0 without a budget): a proposer's own gate prices its trees
+        as the verifier will (``DraftGate.record(trees, scale=...)``).
     """
 
     req_ids: list[str]
@@ -205,6 +208,7 @@ class ProposeContext:
     kv_cache: Any = None
     step_cost: Any = None
     probing: bool = False
+    expectation_factor: float = 1.0
 
     @property
     def num_reqs(self) -> int:

@@ -69,7 +69,8 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_drafting_at_checkpoints: bool = True
     #: the model drafter drafts (and reads the step's rows) only while the batch has at most this many requests;
     #: larger batches get retrieval-only trees. None = under the step budget (``cost_budget``) the head drafts while
-    #: its trees are expected to gain more than its measured time per step costs; without one the device default
+    #: its trees are expected to gain more than its measured time per step costs, and more than the retrieval-only
+    #: trees graft would draft without it; without one the device default
     #: (CPU 1, else no limit), or no limit when adaptive_budget is off
     model_draft_max_batch: int | None = None
     #: nodes whose path confidence (estimated chance the target accepts the whole path) is below this are not

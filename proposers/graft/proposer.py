@@ -73,6 +73,7 @@ class GraftProposer(TreeProposer):
         self.head_cost = CallCost()  # the head's seconds per drafting step (ingest + draft), by requests
         self.head_gate: DraftGate | None = None
         self.retrieval_gate: DraftGate | None = None  # what the retrieval-only trees are worth (no drafter cost)
+        self._head_streak = 0  # steps in a row the head drafted: every head_gate.probe_every-th is retrieval-only
         self.drafter = drafter if drafter is not None else load_model_drafter(
             opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k,
             dtype=opts.eagle_dtype)
@@ -147,8 +148,10 @@ class GraftProposer(TreeProposer):
             return True
         if not self.head_gate.should_draft(num_drafting, budget):
             return False
-        if self.head_gate.probing or self.head_gate.last_rates is None or self.retrieval_gate.marginal is None:
+        if self.head_gate.probing or self.head_gate.last_rates is None:
             return True
+        if self.retrieval_gate.marginal is None or self._head_streak >= self.head_gate.probe_every:
+            return False  # what the retrieval-only trees are worth is learnt on steps without the head
         retrieval_best, _ = self.retrieval_gate.expected_best(num_drafting, budget)
         return self.head_gate.last_rates[0] > retrieval_best  # the head's trees beat the retrieval-only ones
 
@@ -162,6 +165,7 @@ class GraftProposer(TreeProposer):
         budget = self.budget(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         use_drafter = self.head_drafts(ctx, budget, len(rows))
+        self._head_streak = self._head_streak + 1 if use_drafter else 0
         started = time.perf_counter()
         if use_drafter:
             self.drafter.ingest(ctx)
@@ -181,10 +185,11 @@ class GraftProposer(TreeProposer):
             self.head_cost.observe(len(rows), time.perf_counter() - started)
         floor = self.floor(ctx)
         assembled = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor) for i in rows}
+        # what the trees with the head, and without it, are worth, priced as the verifier will price them
         if use_drafter and self.head_gate is not None:
-            self.head_gate.record([a.tree for a in assembled.values()])  # what the head's trees are worth
+            self.head_gate.record([a.tree for a in assembled.values()], scale=ctx.expectation_factor)
         elif self.retrieval_gate is not None:
-            self.retrieval_gate.record([a.tree for a in assembled.values()])
+            self.retrieval_gate.record([a.tree for a in assembled.values()], scale=ctx.expectation_factor)
         for i, a in assembled.items():
             # the raw numbers and their sources: the verifier calibrates them (the same rates graft ranked by)
             trees[i] = DraftTree(a.tree.token_ids, a.tree.parents, a.raw_probs.astype(np.float32), a.sources)

@@ -288,6 +288,20 @@ def test_a_drafter_whose_rare_matches_pay_for_its_calls_drafts_every_step():
     assert rare.surplus < 0.003
 
 
+def test_the_gate_prices_trees_at_the_verifiers_expectation_correction():
+    """Trees recorded with ``scale`` (the verifier's accepted-over-expected correction) are worth that much less: a
+    drafter that pays on its raw numbers does not when the verifier will discount them."""
+    trees = [star([0.9, 0.6, 0.3])]
+    raw, scaled = DraftGate(MIDDLE), DraftGate(MIDDLE)
+    raw.record(trees)
+    scaled.record(trees, scale=0.1)
+    assert scaled.marginal == pytest.approx(raw.marginal * 0.1)
+    assert raw.should_draft(1) and not scaled.should_draft(1)  # a node pays its 6 ms above 0.1 of a 60 ms step
+    capped = DraftGate(MIDDLE)
+    capped.record(trees, scale=4.0)
+    assert capped.marginal.max() == 1.0
+
+
 def test_a_probes_saving_is_counted_at_its_corrected_price():
     """A probe's trees are priced without the expectation correction and the tree work; what it saved is counted
     with both."""

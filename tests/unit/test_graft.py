@@ -580,6 +580,8 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     pair.step_cost = Linear(0.05, 0.001)  # cheap tokens
     p.propose_trees(pair)  # no history: it drafts (the CPU table would not, at batch 2) and learns its worth
     assert drafter.ingested == 1 and p.head_cost.predict(2) is None  # a first call (compiles) is not timed
+    p.propose_trees(pair)  # the trees graft drafts without the head, to weigh the head's against
+    assert drafter.ingested == 1 and p.stats.retrieval_only_steps == 1 and p.retrieval_gate.marginal is not None
     p.propose_trees(pair)  # not timed yet, so free: it drafts, and is timed
     assert drafter.ingested == 2 and p.head_cost.predict(2) is not None
     p.head_cost.observe(2, 0.001)
@@ -587,10 +589,10 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     assert drafter.ingested == 3  # a few ms of head for ~0.9 tokens a request: it pays
     p.head_cost.buckets = {1: 10.0}  # a head that takes 10 s a step never pays
     p.propose_trees(pair)
-    assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 1
+    assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 2
     pair.probing = True  # ...but the verifier's probe measures the trees graft drafts when drafting pays
     p.propose_trees(pair)
-    assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1
+    assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 2
 
 
 def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_cost():
@@ -610,9 +612,9 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
         p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), successor_prob))
         return p, drafter
 
-    def step(p, cost):
+    def step(p, cost, factor=1.0):
         ctx = make_ctx([[1, 2, 3]])
-        ctx.step_cost = cost
+        ctx.step_cost, ctx.expectation_factor = cost, factor
         p.propose_trees(ctx)
 
     cheap_tokens = Linear(0.05, 0.004)
@@ -632,3 +634,34 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
             step(p, cheap_tokens)
         assert p.head_gate.should_draft(1, 8)  # the head alone would pay against plain decoding either way...
         assert (drafter.ingested > before) == head_drafts, head_probs  # ...but must beat the retrieval-only trees
+    # the confident head again, where the verifier has found drafts accepted at a tenth of their calibrated odds:
+    # priced as the verifier will price them, its trees no longer pay for its 10 ms
+    p, drafter = graft_with([0.99] * 4, 0.3)
+    step(p, cheap_tokens, factor=0.1)
+    p.head_cost.observe(1, 0.01)
+    p.head_cost.observe(1, 0.01)
+    before = drafter.ingested
+    for _ in range(3):
+        step(p, cheap_tokens, factor=0.1)
+    assert drafter.ingested == before and p.stats.retrieval_only_steps == 3
+
+
+def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
+    """While the head drafts every step, every ``probe_every``-th step drafts without it, so that what the
+    retrieval-only trees are worth is not a stale number from the start of the request."""
+
+    class CountingDrafter(ScriptedDrafter):
+        def ingest(self, ctx):
+            pass
+
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False),
+                      drafter=CountingDrafter({0: [0.99] * 4}), vocab_size=VOCAB)
+    p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.3))
+    p.head_cost.observe(1, 0.01)
+    p.head_cost.observe(1, 0.01)
+    for _ in range(50):
+        ctx = make_ctx([[1, 2, 3]])
+        ctx.step_cost = Linear(0.05, 0.004)
+        p.propose_trees(ctx)
+    # the first step probes with the head, the second drafts without it, then one in every 17
+    assert p.stats.retrieval_only_steps == 1 + (50 - 2) // (p.head_gate.probe_every + 1)

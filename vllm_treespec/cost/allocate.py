@@ -233,10 +233,11 @@ class DraftGate:
         self._after_probe = False  # no decision since the last probe
         self.last_rates: tuple[float, float] | None = None  # (best with drafting, plain) of the last priced decision
 
-    def record(self, trees: Sequence[DraftTree | None]) -> None:
+    def record(self, trees: Sequence[DraftTree | None], scale: float = 1.0) -> None:
         """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
-        (the gain of a request's j-th best node)."""
-        sorted_probs = [np.sort(path_probs(t))[::-1] for t in trees
+        (the gain of a request's j-th best node), each path probability scaled by ``scale`` (at most 1): the
+        verifier's expectation correction, for trees it has not corrected yet."""
+        sorted_probs = [np.minimum(np.sort(path_probs(t))[::-1] * scale, 1.0) for t in trees
                         if t is not None and t.node_probs is not None and t.num_nodes]
         if not sorted_probs:
             return

@@ -107,7 +107,8 @@ class TreeVerifier:
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
                              max_nodes=self.max_nodes,
-                             step_cost=self.budget.step_time if self.budget is not None else None)
+                             step_cost=self.budget.step_time if self.budget is not None else None,
+                             expectation_factor=self.acceptance.expectation.factor if self.budget is not None else 1.0)
         proposer = self.proposer
         if proposer.needs_hidden_states and hidden_states is not None and query_start_loc is not None:
             # rows were chainized after sample()
