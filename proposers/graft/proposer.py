@@ -138,12 +138,9 @@ class GraftProposer(TreeProposer):
             return ctx.num_reqs <= self.model_draft_max_batch
         if self.options.model_draft_max_batch is not None and ctx.num_reqs > self.model_draft_max_batch:
             return False
-        if self.head_gate is None:
-            self.head_gate = DraftGate(ctx.step_cost, self.head_cost)
-        self.head_gate.cost = ctx.step_cost
-        if self.retrieval_gate is None:
-            self.retrieval_gate = DraftGate(ctx.step_cost, None)
-        self.retrieval_gate.cost = ctx.step_cost
+        if self.head_gate is None or self.retrieval_gate is None:
+            self.head_gate, self.retrieval_gate = DraftGate(ctx.step_cost, self.head_cost), DraftGate(ctx.step_cost)
+        self.head_gate.cost = self.retrieval_gate.cost = ctx.step_cost
         if ctx.probing:  # the verifier's probe must measure the trees graft would draft once drafting pays
             return True
         if not self.head_gate.should_draft(num_drafting, budget):

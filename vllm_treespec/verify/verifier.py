@@ -133,9 +133,9 @@ class TreeVerifier:
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
             trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing), num_reqs,
-                                      drafted=bool(drafting), correction=self.acceptance.expectation.factor)
+                                      drafted=bool(drafting), correction=ctx.expectation_factor)
             if self.budget.trace is not None:
-                self.budget.trace.plan(factor=self.acceptance.expectation.factor)
+                self.budget.trace.plan(factor=ctx.expectation_factor)
         if tracking:
             self.acceptance.handed(req_ids, proposed, trees)
         drafts, self.pending = flatten_trees(ctx, trees,
