@@ -26,6 +26,11 @@ class FakeRequest:
     tokens: list[int]  # committed tokens (prompt + output), the newest last
     blocks: list[int]  # its row of the block table
     sampling_params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    prompt_len: int | None = None  # tokens of the prompt; None: all committed tokens but the newest
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.tokens) - 1 if self.prompt_len is None else self.prompt_len
 
     @property
     def num_computed(self) -> int:
@@ -49,6 +54,7 @@ def fake_runner(requests: list[FakeRequest], max_nodes: int = 8, block_size: int
         req_id_to_index={r.req_id: i for i, r in enumerate(requests)},
         num_reqs=len(requests),
         num_tokens_no_spec=np.array([len(r.tokens) for r in requests], np.int32),
+        num_prompt_tokens=np.array([r.num_prompt for r in requests], np.int32),
         token_ids_cpu=token_ids,
         num_computed_tokens_cpu=np.array([r.num_computed for r in requests], np.int32),
         block_table=[SimpleNamespace(block_size=block_size, block_table=SimpleNamespace(np=table))],
@@ -56,6 +62,7 @@ def fake_runner(requests: list[FakeRequest], max_nodes: int = 8, block_size: int
     )
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=max_nodes),
+        max_model_len=MAX_MODEL_LEN,
         vllm_config=SimpleNamespace(
             parallel_config=SimpleNamespace(pipeline_parallel_size=pipeline_parallel_size,
                                             data_parallel_size=data_parallel_size),

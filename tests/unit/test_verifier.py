@@ -94,6 +94,29 @@ def test_propose_truncates_trees_to_the_budget(max_nodes, drafts, pending_parent
         assert verifier.pending["a"].parents.tolist() == pending_parents
 
 
+@pytest.mark.parametrize("max_tokens, drafts_a, pending_parents", [
+    (5, [10, 11, 12, 13, 14], [-1, -1, 0, 0, 1]),  # 2 outputs so far: the next step may commit 3, depth 2 fits
+    (4, [10, 11], [-1, -1]),  # room for 2 more tokens: one draft and the target's token, so depth 1 only
+    (3, [], None),  # the next token is the last: no draft can be committed
+])
+def test_propose_cuts_the_drafts_a_request_ending_at_max_tokens_cannot_commit(max_tokens, drafts_a, pending_parents):
+    a = FakeRequest("a", [1, 2, 3, 4, 5, 6, 7, 9], [3, 0, 5, 2], SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                    prompt_len=6)
+    verifier = make_verifier([a, request_b()])
+    assert verifier.propose([[9], [5]]) == [drafts_a, [20, 21]]
+    if pending_parents is None:
+        assert "a" not in verifier.pending
+    else:
+        assert verifier.pending["a"].parents.tolist() == pending_parents
+
+
+def test_propose_cuts_the_drafts_beyond_max_model_len():
+    long = FakeRequest("a", list(range(1, 31)), [3, 0, 5, 2, 1, 4, 6, 7])  # 30 of the fake runner's 32 positions
+    verifier = make_verifier([long, request_b()])
+    # the next step may commit 2 tokens (positions 30 and 31): one draft deep
+    assert verifier.propose([[30], [5]]) == [[10, 11], [20, 21]]
+
+
 def test_propose_rejects_a_wrong_number_of_trees():
     verifier = make_verifier()
     verifier.proposer.propose_trees = lambda ctx: [T]

@@ -5,6 +5,10 @@ ordinary list of drafts. A tree is kept for re-attachment only where the request
 degrades to the chain that follows the first child. After ``_prepare_inputs`` a kept tree is re-attached only if the
 scheduled drafts are a prefix of its flattened nodes that is still a tree and its row runs the root plus exactly those
 drafts (truncated and placeholder drafts run as chains); its nodes' RoPE positions then become ``context + depth``.
+
+Before all that, nodes no step can commit are cut (:func:`committable_depths`): vLLM's scheduler schedules every
+draft, but a request stops at its ``max_tokens`` and at ``max_model_len``, so near its end the deeper drafts would be
+verified (and priced by the budget) for nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,37 @@ import torch
 
 from vllm_treespec.api import DraftTree, ProposeContext
 from vllm_treespec.tree import TreeBatch
+
+
+def committable_depths(requests: Any, req_ids: list[str], num_tokens: np.ndarray, num_prompt_tokens: np.ndarray,
+                       max_model_len: int) -> np.ndarray:
+    """Per request row, the deepest draft the next step can still commit: it commits the accepted drafts plus one
+    token of the target, and the request stops at ``max_tokens`` output tokens and at ``max_model_len`` tokens.
+    ``num_tokens``: each row's tokens so far, this step's included."""
+    n = len(req_ids)
+    num_tokens = np.asarray(num_tokens[:n], np.int64)
+    depths = max_model_len - num_tokens - 1
+    for i, req_id in enumerate(req_ids):
+        params = getattr(requests.get(req_id), "sampling_params", None)
+        max_tokens = getattr(params, "max_tokens", None)
+        if max_tokens is not None:
+            outputs = int(num_tokens[i]) - int(num_prompt_tokens[i])
+            depths[i] = min(depths[i], int(max_tokens) - outputs - 1)
+    return np.maximum(depths, 0)
+
+
+def cut_to_depth(tree: DraftTree | None, max_depth: int) -> DraftTree | None:
+    """The tree without its nodes deeper than ``max_depth`` (None when nothing is left)."""
+    if tree is None or tree.num_nodes == 0:
+        return tree
+    if max_depth <= 0:
+        return None
+    depths = tree.depths()
+    if int(depths.max()) <= max_depth:
+        return tree
+    from vllm_treespec.cost.allocate import trim
+
+    return trim(tree, depths <= max_depth)
 
 
 def flatten_trees(ctx: ProposeContext, trees: list[DraftTree | None], can_use_tree: Callable[[str], bool]

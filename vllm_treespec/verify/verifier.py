@@ -17,7 +17,8 @@ from vllm_treespec.attn.compact import compact_layers
 from vllm_treespec.tree import TreeBatch
 from vllm_treespec.verify.accept import (accept, greedy_mask, logits_rows, read_logits, verification_results,
                                          write_chain_form)
-from vllm_treespec.verify.attach import build_batch, flatten_trees, match_scheduled, rewrite_positions
+from vllm_treespec.verify.attach import (build_batch, committable_depths, cut_to_depth, flatten_trees, match_scheduled,
+                                         rewrite_positions)
 from vllm_treespec.verify.calibration import AcceptanceTracker
 from vllm_treespec.verify.chainize import aux_in_asked_order, chainize, committed_rows
 from vllm_treespec.verify.compact import accepted_moves, slots
@@ -36,11 +37,13 @@ CONTRACT_MODULES = ("vllm_treespec.verify", "vllm_treespec.kv_view", "vllm_trees
                     "vllm_treespec.patches.draft_delivery")
 RUNNER_ATTRIBUTES = (
     "_draft_prob_req_ids", "_draft_probs", "_dummy_run", "_sync_device", "drafter", "input_batch", "kv_cache_config",
-    "max_num_tokens", "model", "positions", "query_start_loc", "requests", "scheduler_config", "speculative_config",
-    "take_draft_token_ids", "uniform_decode_query_len", "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
+    "max_model_len", "max_num_tokens", "model", "positions", "query_start_loc", "requests", "scheduler_config",
+    "speculative_config", "take_draft_token_ids", "uniform_decode_query_len", "use_aux_hidden_state_outputs",
+    "uses_mrope", "vllm_config",
 )
 INPUT_BATCH_ATTRIBUTES = (
-    "block_table", "num_computed_tokens_cpu", "num_reqs", "num_tokens_no_spec", "req_id_to_index", "req_ids",
+    "block_table", "num_computed_tokens_cpu", "num_prompt_tokens", "num_reqs", "num_tokens_no_spec", "req_id_to_index",
+    "req_ids",
     "sampling_metadata", "token_ids_cpu",
 )
 BLOCK_TABLE_ATTRIBUTES = ("block_size", "block_table")
@@ -126,6 +129,11 @@ class TreeVerifier:
         started = time.perf_counter()
         drafted, drafting = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
+        if drafting:
+            # nodes no step can commit (the request ends first) are neither priced nor verified
+            reach = committable_depths(self.runner.requests, req_ids, input_batch.num_tokens_no_spec,
+                                       input_batch.num_prompt_tokens, self.runner.max_model_len)
+            proposed = [cut_to_depth(t, int(d)) for t, d in zip(proposed, reach)]
         trees = proposed
         if self.budget is not None:
             # A probe is priced without the expectation correction: the correction learns only from verified drafts,
