@@ -70,8 +70,9 @@ def test_expectation_correction_scales_every_path_probability():
         correction.observe(40.0, 20.0)
     assert correction.factor == pytest.approx(0.5, abs=0.01)
     calibrated = tracker.calibrate([TREE])[0]
+    # no data yet: each node at most 1/2 (the ceiling), then root children scaled
     assert calibrated.node_probs.tolist() == pytest.approx(
-        [0.95 * correction.factor, 0.35 * correction.factor, 0.55, 0.15], abs=1e-6)
+        [0.5 * correction.factor, 0.35 * correction.factor, 0.5, 0.15], abs=1e-6)
     for _ in range(500):
         correction.observe(1.0, 10.0)
     assert correction.factor == 2.0  # bounded
@@ -83,13 +84,40 @@ def test_tracker_measures_expected_against_accepted():
     tracker.handed(["a"], [TREE], [TREE])
     tracker.scheduled({"a": [10, 11, 12, 13]})
     tracker.committed(["a"], [[10, 12, 99]])  # 10 then 12 accepted
-    # expected with the raw numbers (no data yet): 0.95 + 0.35 + 0.95 * 0.55 + 0.95 * 0.15
-    assert tracker.expectation.expected == pytest.approx(0.95 + 0.35 + 0.95 * 0.7, abs=1e-6)
+    # expected with the raw numbers under the ceiling of a source without data (1/2): 0.5 + 0.35 + 0.5 * (0.5 + 0.15)
+    assert tracker.expectation.expected == pytest.approx(0.5 + 0.35 + 0.5 * 0.65, abs=1e-6)
     assert tracker.expectation.accepted == 2.0
     # learned by depth: 10 and 11 at depth 1 (10 accepted), 12 and 13 at depth 2 (12 accepted)
     cal = tracker.calibration
     assert cal.depth_trials[:, 0].sum() == 2 and cal.depth_trials[:, 1].sum() == 2
     assert cal.depth_accepts[0, 0].sum() == 1 and cal.depth_accepts[0, 1].sum() == 1
+
+
+def test_the_budget_believes_no_more_of_a_source_than_its_record_shows():
+    """A retrieval continuation seen once scores 1.0. A fresh engine once priced such nodes at 1 after a probe whose 5
+    nodes were all accepted, and verified 120 of them in a batch of 8 (none accepted): the ceiling, the estimate with
+    the source's prior from its record (Laplace's rule of succession) instead of its raw number, keeps a handful of
+    successes from becoming certainty; with a long record it is the record, bin by bin."""
+    tracker = AcceptanceTracker(["suffix"])
+    cal = tracker.calibration
+    m = ACCEPTANCE_PRIOR_TRIALS
+    chain = DraftTree(np.arange(20, 35), np.arange(-1, 14).astype(np.int32), np.ones(15, np.float32),
+                      np.zeros(15, np.int32))
+    cal.observe(np.zeros(5, np.int64), np.ones(5), np.ones(5, bool), np.arange(1, 6))  # one probe: 5 of 5
+    assert np.allclose(cal(0, np.ones(15), chain.depths()), 1.0)  # the rates graft ranks by
+    probs = tracker.calibrate([chain], corrected=False)[0].node_probs
+    assert probs[0] == pytest.approx((1 + m * 2 / 3) / (1 + m))  # 1 of 1 at depth 1: prior 2/3
+    assert probs[2] == pytest.approx((3 + m * 4 / 5) / (3 + m))  # 3 of 3 deeper: prior 4/5
+    assert np.cumprod(probs).sum() < 4  # what the budget expects of the 15-node chain, not 15
+    # a long record of a source whose confident nodes are accepted and its unsure ones are not: every bin is priced
+    # at its own rate (the source's mean, ~0.5, does not cap its confident bin)
+    n = 1000
+    raw = np.where(np.arange(2 * n) < n, 0.95, 0.05)
+    cal.observe(np.zeros(2 * n, np.int64), raw, (np.arange(2 * n) < 0.9 * n) | (np.arange(2 * n) >= 1.9 * n),
+                np.ones(2 * n, np.int64))
+    tree = DraftTree(np.array([1, 2]), np.array([-1, -1], np.int32), np.array([0.95, 0.05], np.float32),
+                     np.zeros(2, np.int32))
+    assert tracker.calibrate([tree], corrected=False)[0].node_probs.tolist() == pytest.approx([0.9, 0.1], abs=0.01)
 
 
 def test_node_sources_are_checked_and_kept_by_cuts():
@@ -111,7 +139,7 @@ def test_tracker_learns_from_what_was_scheduled_and_committed():
     tracker = AcceptanceTracker(["suffix", "successor"])
     cal = tracker.calibration
     calibrated = tracker.calibrate([TREE, None])
-    assert np.allclose(calibrated[0].node_probs, TREE.node_probs)  # no data yet: the raw numbers
+    assert np.allclose(calibrated[0].node_probs, [0.5, 0.35, 0.5, 0.15])  # no data yet: the raw numbers, at most 1/2
     kept = DraftTree(np.array([10, 12, 11]), np.array([-1, 0, -1], np.int32))  # what the budget kept
     tracker.handed(["a", "b"], [TREE, None], [kept, None])
     tracker.scheduled({"a": [10, 12]})  # vLLM scheduled two of the three drafts
@@ -165,8 +193,8 @@ def test_the_verifier_calibrates_for_the_budget_and_hands_proposers_the_calibrat
     # at 10 ms a token over a 50 ms step only the successor's 0.35 node pays; on the raw numbers 10 (0.95) would lead
     assert verifier.propose([[9]]) == [[11]]
     assert max(verifier.budget.last.gains) == pytest.approx(0.35)
-    source_rate = (20 + 8 * 0.95) / 208
-    assert np.isclose(verifier.budget.last.gains, (20 + 8 * source_rate) / 208).any()  # node 10, calibrated
+    record = 21 / 202  # Laplace's rule on the source's 20 of 200: below its raw-number prior, so the ceiling binds
+    assert np.isclose(verifier.budget.last.gains, (20 + 8 * record) / 208).any()  # node 10, calibrated
     # an engine step: what was handed is scheduled and its outcome learned at the next propose
     verifier.budget = None
     proposer.trees = {"a": DraftTree(np.array([10, 11]), np.array([-1, -1], np.int32),

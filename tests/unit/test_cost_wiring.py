@@ -17,8 +17,10 @@ from vllm_treespec.cost.budget import StepBudget, budget_report, install_budget
 from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
 from vllm_treespec.verify.verifier import TreeVerifier
 
+# path probs 0.9, 0.05, 0.72, 0.09; source -1: the scores are taken as acceptance probabilities, uncalibrated (these
+# tests are about the budget; a fresh calibration would cap them at 1/2, see test_calibration.py)
 SCORED = DraftTree(np.array([10, 11, 12, 13]), np.array([-1, -1, 0, 0], np.int32),
-                   np.array([0.9, 0.05, 0.8, 0.1], np.float32))  # path probs 0.9, 0.05, 0.72, 0.09
+                   np.array([0.9, 0.05, 0.8, 0.1], np.float32), np.full(4, -1, np.int32))
 
 
 def verifier_with(cost_fn, trees, max_nodes=8):
