@@ -268,9 +268,11 @@ def test_a_drafter_whose_rare_matches_pay_for_its_calls_drafts_every_step():
         for step in range(steps):
             decisions.append(gate.should_draft(1))
             if decisions[-1]:
-                trees = match if step % every == 0 else miss
+                hit = step % every == 0
+                trees = match if hit else miss
                 gate.record(trees)
                 gate.allocated(allocate(trees, MIDDLE))
+                gate.verified(3 if hit else None)  # the match is accepted whole; a miss verifies nothing
         return decisions
 
     frequent = DraftGate(MIDDLE, Drafter(), probe_every=4)
@@ -302,17 +304,23 @@ def test_the_gate_prices_trees_at_the_verifiers_expectation_correction():
     assert capped.marginal.max() == 1.0
 
 
-def test_a_probes_saving_is_counted_at_its_corrected_price():
-    """A probe's trees are priced without the expectation correction and the tree work; what it saved is counted
-    with both."""
+def test_what_an_allocation_saved_is_measured_from_what_the_target_accepted():
+    """The surplus counts the tokens an allocation's step committed, not the ones it expected: an allocation the
+    calibration overrated (2 expected, none accepted) cost its nodes and saved nothing, and the surplus says so; a
+    probe's saving is counted with the tree work it was priced without."""
     trees = [star([1.0, 1.0])]
-    full, corrected = DraftGate(MIDDLE), DraftGate(MIDDLE)
+    sure, overrated, probe = DraftGate(MIDDLE), DraftGate(MIDDLE), DraftGate(MIDDLE)
     allocation = allocate(trees, MIDDLE)
     assert allocation.admitted_gain == pytest.approx(2.0) and allocation.total_nodes == 2
-    full.allocated(allocation)
-    corrected.allocated(allocation, correction=0.5, extra_seconds=0.01)
-    assert full.surplus == pytest.approx(0.05 * (3 * 0.060 - 0.072))  # surplus_alpha of it, from 0
-    assert corrected.surplus == pytest.approx(0.05 * (2 * 0.060 - 0.072 - 0.01))
+    for gate, accepted, extra in ((sure, 2, 0.0), (overrated, 0, 0.0), (probe, 1, 0.01)):
+        gate.allocated(allocation, extra_seconds=extra)
+        assert gate.surplus == 0.0  # learnt from the outcome, not the expectation
+        gate.verified(accepted)
+    assert sure.surplus == pytest.approx(0.05 * (3 * 0.060 - 0.072))  # surplus_alpha of it, from 0
+    assert overrated.surplus == pytest.approx(0.05 * (0.060 - 0.072)) and overrated.surplus < 0
+    assert probe.surplus == pytest.approx(0.05 * (2 * 0.060 - 0.072 - 0.01))
+    sure.verified(2)  # an outcome counts once
+    assert sure.surplus == pytest.approx(0.05 * (3 * 0.060 - 0.072))
 
 
 def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():

@@ -197,7 +197,7 @@ class DraftGate:
     the allocation still admits only the nodes that pay, so a step that admits none costs just the call, and a
     retrieval drafter's match (a passage repeated from the prompt) is verified on the step it appears, not at the
     next probe. So does a drafter whose recent allocations saved more seconds per call than the call costs
-    (:meth:`allocated`): the mean of its trees' gains hides a drafter whose trees are worthless on most steps and
+    (:meth:`allocated`, :meth:`verified`: measured from what the target accepted): the mean of its trees' gains hides a drafter whose trees are worthless on most steps and
     pay well on a few (a retrieval match every tenth step); what each allocation saved, averaged over the steps,
     does not.
 
@@ -215,9 +215,11 @@ class DraftGate:
         self.cost = cost
         self.free_share = free_share
         self.surplus_alpha = surplus_alpha
-        #: seconds per drafted step its allocations saved against plain decoding, exponentially weighted from 0 (one
-        #: lucky probe does not start a run of calls; a sure match, saving whole steps, does)
+        #: seconds per drafted step its allocations saved against plain decoding, measured from their outcomes and
+        #: exponentially weighted from 0 (one lucky probe does not start a run of calls; a sure match, saving whole
+        #: steps, does)
         self.surplus = 0.0
+        self._pending: tuple[float, float, float] | None = None  # the last allocation, until its outcome arrives
         self.drafter_cost = drafter_cost
         self.alpha = alpha
         self.probe_every = probe_every
@@ -250,15 +252,29 @@ class DraftGate:
         old = np.pad(self.marginal, (0, size - self.marginal.size))
         self.marginal = (1 - self.alpha) * old + self.alpha * np.pad(current, (0, size - current.size))
 
-    def allocated(self, allocation: Allocation | None, correction: float = 1.0, extra_seconds: float = 0.0) -> None:
-        """Learn from one drafted step's allocation what drafting saved: the seconds plain decoding would take for its
-        expected tokens, less its predicted step (zero when it admitted nothing; None: the drafter proposed nothing).
-        A probe's allocation is priced without the expectation correction and the tree work: ``correction`` scales
-        its expected gain and ``extra_seconds`` is added to its step."""
-        saved = 0.0
-        if allocation is not None and allocation.total_nodes and allocation.plain_rate > 0:
-            tokens = allocation.expected_tokens - (1 - correction) * allocation.admitted_gain
-            saved = max(tokens / allocation.plain_rate - allocation.seconds - extra_seconds, 0.0)
+    def allocated(self, allocation: Allocation | None, extra_seconds: float = 0.0) -> None:
+        """A drafted step's allocation (None: the drafter proposed nothing). One that admitted nothing saved nothing;
+        what one that admitted nodes saved is learnt from its outcome (:meth:`verified`), with ``extra_seconds``
+        (the tree work a probe is priced without) added to its step."""
+        self._pending = None
+        if allocation is None or not allocation.total_nodes or allocation.plain_rate <= 0:
+            self._learn_saving(0.0)
+            return
+        base_tokens = allocation.expected_tokens - allocation.admitted_gain
+        self._pending = (base_tokens, allocation.plain_rate, allocation.seconds + extra_seconds)
+
+    def verified(self, accepted: int | None) -> None:
+        """The last allocation's outcome: ``accepted`` drafts (None: none was verified). What it saved is the
+        seconds plain decoding needs for the tokens it committed less its predicted step — negative when its nodes
+        cost more than their accepted tokens. Expected tokens would count what the calibration believed: after one
+        allocation it overrated, the surplus kept a drafter calling for dozens of steps on a saving never made."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        base_tokens, plain_rate, seconds = pending
+        self._learn_saving((base_tokens + (accepted or 0)) / plain_rate - seconds if accepted is not None else 0.0)
+
+    def _learn_saving(self, saved: float) -> None:
         self.surplus = (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved
 
     def expected_best(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,

@@ -3,6 +3,7 @@
     budget = StepBudget.for_runner(runner, max_nodes)        # at warm-up: cached curve, or a fresh sweep
     if budget.should_draft(num_reqs): ...propose_trees...; budget.drafted(num_reqs, seconds)   # drafter gate
     trees = budget.admit(trees, num_reqs)                     # after propose_trees: trees with node_probs are trimmed
+    budget.verified(accepted)                                 # next step: what the target accepted of them
     budget.step_started(num_tokens, num_reqs) ... budget.step_finished()   # around the forward: online refinement
     budget.tree_worked(seconds)                               # the verifier's own host work of a tree step
 
@@ -128,6 +129,10 @@ class StepBudget:
                             surplus_ms=self.gate.surplus * 1e3)
         return draft
 
+    def verified(self, accepted: int | None) -> None:
+        """The drafts the last step accepted (None: it verified none): the gate learns what its allocation saved."""
+        self.gate.verified(accepted)
+
     def drafted(self, num_reqs: int, seconds: float) -> None:
         """The drafter's call for ``num_reqs`` requests took ``seconds``."""
         self.drafter_cost.timed.observe(num_reqs, seconds)
@@ -136,11 +141,9 @@ class StepBudget:
             self.trace.plan(drafter_ms=seconds * 1e3)
 
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
-              base_tokens: int | None = None, drafted: bool = True, correction: float = 1.0
-              ) -> list[DraftTree | None]:
+              base_tokens: int | None = None, drafted: bool = True) -> list[DraftTree | None]:
         """The trees trimmed to the nodes that pay (only those with node_probs change). ``drafted``: the drafter was
-        called for them (False: the gate skipped it, and the trees are all None); ``correction``: the expectation
-        correction a probe's trees were priced without."""
+        called for them (False: the gate skipped it, and the trees are all None)."""
         if not any(t is not None and t.node_probs is not None for t in trees):
             if drafted and all(t is None for t in trees):
                 self.gate.allocated(None)  # a call that proposed nothing saved nothing
@@ -153,10 +156,8 @@ class StepBudget:
                               overhead=overhead, min_gain=self.min_gain,
                               max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None)
         self.last = allocation
-        if self.gate.probing:
-            self.gate.allocated(allocation, correction, self.tree_work.seconds)
-        else:
-            self.gate.allocated(allocation)
+        # a probe is priced without the tree work: what it saves is counted with it
+        self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
         self.stats["allocations"] += 1
         self.stats["probes"] += self.gate.probing
         self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)

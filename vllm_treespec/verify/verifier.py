@@ -105,8 +105,10 @@ class TreeVerifier:
         tracking = self._tracks_acceptance()
         if tracking:
             accepted = self.acceptance.committed(req_ids, sampled_token_ids)
-            if accepted is not None and self.budget is not None and self.budget.trace is not None:
-                self.budget.trace.note(accepted=accepted)
+            if self.budget is not None:
+                self.budget.verified(accepted)
+                if accepted is not None and self.budget.trace is not None:
+                    self.budget.trace.note(accepted=accepted)
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
                              max_nodes=self.max_nodes,
@@ -141,7 +143,7 @@ class TreeVerifier:
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
             trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing), num_reqs,
-                                      drafted=bool(drafting), correction=ctx.expectation_factor)
+                                      drafted=bool(drafting))
             if self.budget.trace is not None:
                 self.budget.trace.plan(factor=ctx.expectation_factor)
         if tracking:
