@@ -55,6 +55,20 @@ def test_a_steep_cost_leaves_only_what_pays():
     assert nothing.propose([[9], [3], [6]]) == [[], [], []] and nothing.pending == {}
 
 
+def test_the_gate_learns_an_allocations_saving_from_what_the_target_accepted():
+    """An allocation's saving reaches the drafter gate with the next step's committed tokens: a tree whose nodes
+    were all rejected cost its rows and saved nothing, so the surplus goes below zero."""
+    verifier = verifier_with(lambda t: 0.05 + 0.002 * (t - 1), {"a": SCORED})
+    gate = verifier.budget.gate
+    drafts = verifier.propose([[9], [3], [6]])
+    assert drafts[0] and gate.surplus == 0.0  # not learnt before the outcome
+    scheduler_output, num_scheduled = schedule(verifier.runner, {"a": drafts[0]})
+    verifier.attach(scheduler_output, num_scheduled)
+    plan.publish(None)
+    verifier.propose([[7], [3], [6]])  # the target's own 7: every draft rejected
+    assert gate.surplus < 0
+
+
 def test_forward_times_refine_the_model(monkeypatch):
     verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {})
     clock = iter(np.arange(0, 100, 0.2).tolist())

@@ -8,7 +8,8 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     host_ms    the host time per step the budget charges (a running median)
     gate       "draft", "probe" or "skip" (the drafter gate's decision), absent when the gate was not asked
     best, plain  the gate's predicted rates (tokens/s) with drafting and without, when it decided on them
-    surplus_ms what the drafted steps' allocations saved lately, per step (the gate drafts while it beats drafter_ms)
+    surplus_ms what the drafted steps' allocations saved lately, per step, from the drafts the target accepted (the
+               gate drafts while it beats drafter_ms)
     admitted   draft nodes the allocator kept;  expected: tokens it expected of the step (plain ones included)
     drafter_ms the proposer's call with the pricing of its trees, when it drafted
     factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
