@@ -197,9 +197,9 @@ class DraftGate:
     the allocation still admits only the nodes that pay, so a step that admits none costs just the call, and a
     retrieval drafter's match (a passage repeated from the prompt) is verified on the step it appears, not at the
     next probe. So does a drafter whose recent allocations saved more seconds per call than the call costs
-    (:meth:`allocated`, :meth:`verified`: measured from what the target accepted): the mean of its trees' gains hides a drafter whose trees are worthless on most steps and
-    pay well on a few (a retrieval match every tenth step); what each allocation saved, averaged over the steps,
-    does not.
+    (:meth:`allocated`, :meth:`verified`: measured from what the target accepted): the mean of its trees' gains
+    hides a drafter whose trees are worthless on most steps and pay well on a few (a retrieval match every tenth
+    step); what each allocation saved, averaged over the steps, does not.
 
     A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
     and a probe may add no more than that to its step (``probe_seconds``, for :func:`allocate`'s

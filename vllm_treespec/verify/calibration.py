@@ -10,8 +10,8 @@ source, "proposer", when it names none); :class:`AcceptanceTracker` then
 1. replaces each tree's ``node_probs`` by the calibrated rate of its node's source, depth class and raw-confidence
    bin (:class:`AcceptanceCalibration`: the raw number until the source has data, the source's rate until the bin
    has), never above the same estimate built on the source's record alone instead of its raw number (a raw 1.0 is
-   not a certainty: :meth:`AcceptanceCalibration.ceiling`), and scales every path probability by how many drafts the last ~50 steps accepted against how many those
-   rates expected (:class:`ExpectationCorrection`);
+   not a certainty: :meth:`AcceptanceCalibration.ceiling`), and scales every path probability by how many drafts
+   the last ~50 steps accepted against how many those rates expected (:class:`ExpectationCorrection`);
 2. remembers the drafts each request was handed, cut to what vLLM scheduled (:meth:`AcceptanceTracker.scheduled`);
 3. when the next step's committed tokens arrive, walks each remembered tree along them (accepted drafts are the
    committed tokens but the last) and counts every node the target reached — root children and children of
