@@ -272,7 +272,7 @@ class DraftGate:
         if pending is None:
             return
         base_tokens, plain_rate, seconds = pending
-        self._learn_saving((base_tokens + (accepted or 0)) / plain_rate - seconds if accepted is not None else 0.0)
+        self._learn_saving((base_tokens + accepted) / plain_rate - seconds if accepted is not None else 0.0)
 
     def _learn_saving(self, saved: float) -> None:
         self.surplus = (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved

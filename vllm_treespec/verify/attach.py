@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vllm_treespec.api import DraftTree, ProposeContext
+from vllm_treespec.cost.allocate import trim
 from vllm_treespec.tree import TreeBatch
 
 
@@ -48,8 +49,6 @@ def cut_to_depth(tree: DraftTree | None, max_depth: int) -> DraftTree | None:
     depths = tree.depths()
     if int(depths.max()) <= max_depth:
         return tree
-    from vllm_treespec.cost.allocate import trim
-
     return trim(tree, depths <= max_depth)
 
 

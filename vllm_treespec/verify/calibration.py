@@ -10,7 +10,7 @@ source, "proposer", when it names none); :class:`AcceptanceTracker` then
 1. replaces each tree's ``node_probs`` by the calibrated rate of its node's source, depth class and raw-confidence
    bin (:class:`AcceptanceCalibration`: the raw number until the source has data, the source's rate until the bin
    has), never above the same estimate built on the source's record alone instead of its raw number (a raw 1.0 is
-   not a certainty: :meth:`AcceptanceCalibration.ceiling`), and scales every path probability by how many drafts
+   not a certainty: :meth:`AcceptanceCalibration.capped`), and scales every path probability by how many drafts
    the last ~50 steps accepted against how many those rates expected (:class:`ExpectationCorrection`);
 2. remembers the drafts each request was handed, cut to what vLLM scheduled (:meth:`AcceptanceTracker.scheduled`);
 3. when the next step's committed tokens arrive, walks each remembered tree along them (accepted drafts are the
@@ -83,18 +83,19 @@ class AcceptanceCalibration:
     def __call__(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray | None = None) -> np.ndarray:
         """Calibrated probabilities of nodes with sources ``source`` (one id, or one per node), raw confidences
         ``raw`` and depths ``depth`` (1 = root child; None: pooled over depths)."""
-        return self._rate(source, raw, depth, laplace=False)
+        return self._rate(source, raw, depth, capped=False)
 
-    def ceiling(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray) -> np.ndarray:
-        """The most the budget believes of such nodes: the same estimate with the source's prior taken from its
-        record alone, Laplace's rule of succession on its verified nodes at that depth (``(accepts + 1) /
-        (trials + 2)``, 1/2 before any), instead of from the raw number. A raw number is not an acceptance rate — a
-        retrieval continuation seen once scores 1.0 — and the prior at it made a fresh engine certain of such nodes:
-        after one probe accepted its 5 nodes, a batch of 8 verified 120 of them at probability 1 and none was
-        accepted. With a long record both estimates are the record."""
-        return self._rate(source, raw, depth, laplace=True)
+    def capped(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """The rate the budget prices by: as calibrated, but under a ceiling, the same estimate with the source's
+        prior taken from its record alone (Laplace's rule of succession on its verified nodes at that depth,
+        ``(accepts + 1) / (trials + 2)``, 1/2 before any) instead of from the raw number. A raw number is not an
+        acceptance rate — a retrieval continuation seen once scores 1.0 — and the prior at it made a fresh engine
+        certain of such nodes: after one probe accepted its 5 nodes, a batch of 8 verified 120 of them at
+        probability 1 and none was accepted. With a long record both estimates are the record. (The estimate rises
+        with its prior, so the lower prior gives the lower of the two.)"""
+        return self._rate(source, raw, depth, capped=True)
 
-    def _rate(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray | None, laplace: bool
+    def _rate(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray | None, capped: bool
               ) -> np.ndarray:
         raw = np.clip(np.nan_to_num(np.asarray(raw, np.float64)), 0.0, 1.0)
         b = self.bins(raw)
@@ -106,10 +107,10 @@ class AcceptanceCalibration:
         trials, accepts = np.broadcast_to(trials, raw.shape + (ACCEPTANCE_BINS,)), np.broadcast_to(
             accepts, raw.shape + (ACCEPTANCE_BINS,))
         m = ACCEPTANCE_PRIOR_TRIALS
-        if laplace:
-            prior = (accepts.sum(-1) + 1.0) / (trials.sum(-1) + 2.0)
-        else:
-            prior = (accepts.sum(-1) + m * raw) / (trials.sum(-1) + m)
+        source_trials, source_accepts = trials.sum(-1), accepts.sum(-1)
+        prior = (source_accepts + m * raw) / (source_trials + m)
+        if capped:
+            prior = np.minimum(prior, (source_accepts + 1.0) / (source_trials + 2.0))
         t_bin = np.take_along_axis(trials, b[..., None], -1)[..., 0]
         a_bin = np.take_along_axis(accepts, b[..., None], -1)[..., 0]
         return np.minimum((a_bin + m * prior) / (t_bin + m), 1.0)
@@ -247,12 +248,11 @@ class AcceptanceTracker:
 
     def _calibrated(self, sources: np.ndarray, raw: np.ndarray, depths: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of nodes with these sources, raw numbers and depths (source -1: the raw number),
-        each at most its source's :meth:`~AcceptanceCalibration.ceiling` (proposers rank by the uncapped rates)."""
+        under the ceiling of :meth:`~AcceptanceCalibration.capped` (proposers rank by the uncapped rates)."""
         probs = np.asarray(raw, np.float64).copy()
         known = sources >= 0
         if known.any():
-            s, r, d = sources[known], probs[known], depths[known]
-            probs[known] = np.minimum(self.calibration(s, r, d), self.calibration.ceiling(s, r, d))
+            probs[known] = self.calibration.capped(sources[known], probs[known], depths[known])
         return probs
 
     def handed(self, req_ids: Sequence[str], raw_trees: Sequence[DraftTree | None],

@@ -43,8 +43,7 @@ RUNNER_ATTRIBUTES = (
 )
 INPUT_BATCH_ATTRIBUTES = (
     "block_table", "num_computed_tokens_cpu", "num_prompt_tokens", "num_reqs", "num_tokens_no_spec", "req_id_to_index",
-    "req_ids",
-    "sampling_metadata", "token_ids_cpu",
+    "req_ids", "sampling_metadata", "token_ids_cpu",
 )
 BLOCK_TABLE_ATTRIBUTES = ("block_size", "block_table")
 REQUEST_STATE_ATTRIBUTES = ("sampling_params",)
