@@ -14,6 +14,8 @@ from engine_helpers import chat_prompts, close, make_llm, spec_counters, token_i
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 40
+#: one full batch (max_num_seqs): the head-drafting tests' cost grows with every verified row
+BATCH = 8
 
 
 @pytest.fixture(scope="module")
@@ -227,11 +229,11 @@ def test_kv_aware_greedy_identical(base, model, prompts, tmp_path):
     llm = make_llm(model, {"method": "kv_aware", "num_speculative_tokens": 24, "checkpoint": head, "depth": 5,
                            "top_k": 6, "min_node_confidence": 0, "cost_budget": False})
     try:
-        got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        got = token_ids(llm.generate(prompts[:BATCH], greedy(), use_tqdm=False))
         counters = spec_counters(llm)
     finally:
         close(llm)
-    assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    assert got == token_ids(base.generate(prompts[:BATCH], greedy(), use_tqdm=False))
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 20 * counters["num_drafts"]
     if trained:
         assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5, counters
@@ -246,11 +248,11 @@ def test_graft_on_kv_aware_drafter_greedy_identical(base, model, prompts, tmp_pa
                            "eagle_depth": 5, "eagle_top_k": 4, "adaptive_budget": False, "min_node_confidence": 0,
                            "cost_budget": False})
     try:
-        got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        got = token_ids(llm.generate(prompts[:BATCH], greedy(), use_tqdm=False))
         counters = spec_counters(llm)
     finally:
         close(llm)
-    assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    assert got == token_ids(base.generate(prompts[:BATCH], greedy(), use_tqdm=False))
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 10 * counters["num_drafts"]
     if trained:  # a random head is confidently wrong: nothing is pruned, so nothing is grafted or accepted
         assert counters["num_accepted_tokens"] > 0, counters
@@ -297,11 +299,11 @@ def test_eagle_tree_greedy_identical(base, model, prompts, tmp_path, monkeypatch
                            "min_node_confidence": 0, "cost_budget": False, **spec})
     try:
         assert llm.collective_rpc(drafter_checkpoint) == [head]
-        got = token_ids(llm.generate(prompts, greedy(), use_tqdm=False))
+        got = token_ids(llm.generate(prompts[:BATCH], greedy(), use_tqdm=False))
         counters = spec_counters(llm)
     finally:
         close(llm)
-    assert got == token_ids(base.generate(prompts, greedy(), use_tqdm=False))
+    assert got == token_ids(base.generate(prompts[:BATCH], greedy(), use_tqdm=False))
     assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 20 * counters["num_drafts"]  # trees
     if trained:
         assert counters["num_accepted_tokens"] / counters["num_drafts"] > 0.5, counters  # tau > 1.5
@@ -344,7 +346,8 @@ def test_retrieval_kernels_compile_at_startup_not_in_requests(base, model, promp
             "vllm_treespec.retrieval.successor._tree", "vllm_treespec.retrieval.tree._merge_kernel"))
         got = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in prompts[:3]]
         got += token_ids(llm.generate(prompts[3:7], greedy(), use_tqdm=False))
-        assert spec_counters(llm)["num_accepted_tokens"] > 0
+        # the drafter ran and proposed trees (how many the budget verifies depends on what it learns: not asserted)
+        assert llm.collective_rpc(budget_report)[0]["proposed_nodes"] > 0
         assert llm.collective_rpc(retrieval_kernel_signatures)[0] == at_startup
     finally:
         close(llm)

@@ -31,4 +31,5 @@ def test_engine_greedy_identical_to_no_speculation():
         close(llm)
     assert got == expected
     assert got1 == expected[:2]
-    assert counters["num_drafts"] > 0 and counters["num_accepted_tokens"] > 0
+    # trees were verified (how many the step budget admits, and so how many are accepted, depends on what it learns)
+    assert counters["num_drafts"] > 0 and counters["num_draft_tokens"] > 0
