@@ -73,7 +73,8 @@ class GraftProposer(TreeProposer):
         self.head_cost = CallCost()  # the head's seconds per drafting step (ingest + draft), by requests
         self.head_gate: DraftGate | None = None
         self.retrieval_gate: DraftGate | None = None  # what the retrieval-only trees are worth (no drafter cost)
-        self._head_streak = 0  # steps in a row the head drafted: every head_gate.probe_every-th is retrieval-only
+        self._head_streak = 0  # steps in a row the head drafted: every head_gate.probe_every-th also prices the
+        # retrieval-only trees (retrieval_alternatives)
         self.drafter = drafter if drafter is not None else load_model_drafter(
             opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k,
             dtype=opts.eagle_dtype)
@@ -131,7 +132,11 @@ class GraftProposer(TreeProposer):
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
         beat its measured cost, both against plain decoding and against the retrieval-only trees graft drafts without
         it (a head that adds little to a confident match only costs), and on every probe of the verifier's gate
-        (``model_draft_max_batch``, if given, still caps the batch); else up to ``model_draft_max_batch`` requests."""
+        (``model_draft_max_batch``, if given, still caps the batch); else up to ``model_draft_max_batch`` requests.
+        What the retrieval-only trees are worth is learnt on the head's own steps (:meth:`retrieval_alternatives`):
+        a step drafted without the head only to measure them would also teach the verifier's gate, which prices
+        whatever graft proposes, that graft's trees are worth less than the head's, and a fresh engine's gate then
+        skipped drafting for the next 16-128 steps after each such step."""
         if self.drafter is None or budget <= 0 or num_drafting == 0:
             return False
         if ctx.step_cost is None:
@@ -147,8 +152,8 @@ class GraftProposer(TreeProposer):
             return False
         if self.head_gate.probing or self.head_gate.last_rates is None:
             return True
-        if self.retrieval_gate.marginal is None or self._head_streak >= self.head_gate.probe_every:
-            return False  # what the retrieval-only trees are worth is learnt on steps without the head
+        if self.retrieval_gate.marginal is None:
+            return True  # nothing to weigh the head against yet: this step prices the retrieval-only trees too
         retrieval_best, _ = self.retrieval_gate.expected_best(num_drafting, budget)
         return self.head_gate.last_rates[0] > retrieval_best  # the head's trees beat the retrieval-only ones
 
@@ -156,6 +161,13 @@ class GraftProposer(TreeProposer):
     def observe(self, ctx: ProposeContext) -> None:
         if self.drafter is not None:
             self.drafter.observe(ctx)
+
+    def retrieval_alternatives(self, use_drafter: bool) -> bool:
+        """Whether this head step also assembles the tree each request would get without the head (never verified),
+        for the retrieval gate: on the first head step and every ``probe_every``-th of a streak."""
+        if not use_drafter or self.retrieval_gate is None or self.head_gate is None:
+            return False
+        return self.retrieval_gate.marginal is None or (self._head_streak - 1) % self.head_gate.probe_every == 0
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
@@ -181,10 +193,14 @@ class GraftProposer(TreeProposer):
         if use_drafter:
             self.head_cost.observe(len(rows), time.perf_counter() - started)
         floor = self.floor(ctx)
-        assembled = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor) for i in rows}
+        alternatives = self.retrieval_alternatives(use_drafter)
+        built = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor, alternatives) for i in rows}
+        assembled = {i: tree for i, (tree, _) in built.items()}
         # what the trees with the head, and without it, are worth, priced as the verifier will price them
         if use_drafter and self.head_gate is not None:
             self.head_gate.record([a.tree for a in assembled.values()], scale=ctx.expectation_factor)
+            if alternatives:
+                self.retrieval_gate.record([alt.tree for _, alt in built.values()], scale=ctx.expectation_factor)
         elif self.retrieval_gate is not None:
             self.retrieval_gate.record([a.tree for a in assembled.values()], scale=ctx.expectation_factor)
         for i, a in assembled.items():
@@ -199,22 +215,27 @@ class GraftProposer(TreeProposer):
                    for i, t in self.drafter.draft(ctx, rows).items()}
         return {i: g for i, g in growths.items() if len(g)}
 
-    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None,
-              floor: float) -> AssembledTree:
+    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None, floor: float,
+              alternative: bool = False) -> tuple[AssembledTree, AssembledTree | None]:
+        """Request row ``i``'s tree (on the model drafter's ``draft``, else retrieval-only) and, if ``alternative``,
+        the retrieval-only tree it would have had without the model drafter."""
         req_id, context = ctx.req_ids[i], ctx.committed(i)
         prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
         self.sources.observe(req_id, context)
         self._roots[req_id] = int(context[-1])
         found = self.sources.at_root(req_id, context, budget, prompt_len)
-        draft_source = MODEL_SOURCE
-        if draft is None:  # retrieval-only: the most confident source drafts
-            draft_source = self._most_confident(found)
-            draft = grow_draft(tree_levels(found[draft_source]), budget, self.checkpoints, self.options.max_depth)
+        retrieval_only = None
+        if draft is None:
+            draft_source, draft = self._retrieval_draft(found, budget)
             if len(draft):
                 self.stats.draft_source[draft_source] = self.stats.draft_source.get(draft_source, 0) + 1
-        grafts = self._grafts(req_id, context, draft, found, [s for s in found if s != draft_source])
-        assembled = assemble_tree(draft, grafts, budget, floor, calibration=self.calibration,
-                                  draft_source=self._source_id(draft_source))
+            assembled = self._assemble(req_id, context, draft, draft_source, found, budget, floor)
+            retrieval_only = assembled if alternative else None
+        else:
+            assembled = self._assemble(req_id, context, draft, MODEL_SOURCE, found, budget, floor)
+            if alternative:
+                source, retrieval_draft = self._retrieval_draft(found, budget)
+                retrieval_only = self._assemble(req_id, context, retrieval_draft, source, found, budget, floor)
         if self.calibration is not None and self._learns_acceptance:
             self._last_trees[req_id] = assembled
         tree = assembled.tree
@@ -222,7 +243,19 @@ class GraftProposer(TreeProposer):
         self.stats.draft_nodes += len(draft)
         self.stats.grafted_nodes += tree.num_nodes - len(draft)
         self.stats.pruned += draft.pruned_at is not None
-        return assembled
+        return assembled, retrieval_only
+
+    def _retrieval_draft(self, found: dict[str, RetrievedTree], budget: int) -> tuple[str, DraftGrowth]:
+        """The draft without a model drafter: the most confident source's tree, pruned at the checkpoints."""
+        source = self._most_confident(found)
+        return source, grow_draft(tree_levels(found[source]), budget, self.checkpoints, self.options.max_depth)
+
+    def _assemble(self, req_id: str, context: np.ndarray, draft: DraftGrowth, draft_source: str,
+                  found: dict[str, RetrievedTree], budget: int, floor: float) -> AssembledTree:
+        """``draft`` with the other sources' continuations grafted into the budget it left free."""
+        grafts = self._grafts(req_id, context, draft, found, [s for s in found if s != draft_source])
+        return assemble_tree(draft, grafts, budget, floor, calibration=self.calibration,
+                             draft_source=self._source_id(draft_source))
 
     def _source_id(self, name: str) -> int:
         """The source's id in ``acceptance_sources`` (and in the acceptance calibration)."""

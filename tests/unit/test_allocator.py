@@ -194,7 +194,7 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
     assert gate.should_draft(1)  # no history
     gate.record(trees)
     assert gate.should_draft(1)
-    steep = DraftGate(STEEP, probe_every=3)
+    steep = DraftGate(STEEP, probe_every=3, probe_share=1.0)  # every skipped step buys a node's verification
     steep.record(trees)
     assert [steep.should_draft(1) for _ in range(5)] == [False, False, False, True, False]
     # that probe's trees did not pay either: the next probe waits twice as long, and so on up to max_probe_every
@@ -238,8 +238,8 @@ def test_a_drafter_cheaper_than_its_share_of_a_step_drafts_every_step():
 
     trees = [star([0.5, 0.4, 0.3, 0.2])]  # nothing here pays on STEEP (a 60 ms token)
     cheap = DraftGate(STEEP, Drafter(0.0005), probe_every=4)  # 0.5 ms: under 2% of a 60 ms plain step
-    dear = DraftGate(STEEP, Drafter(0.0015), probe_every=4)
-    unmeasured = DraftGate(STEEP, Drafter(None), probe_every=4)
+    dear = DraftGate(STEEP, Drafter(0.0015), probe_every=4, probe_share=1.0)
+    unmeasured = DraftGate(STEEP, Drafter(None), probe_every=4, probe_share=1.0)
     for gate in (cheap, dear, unmeasured):
         gate.record(trees)
     assert [cheap.should_draft(1) for _ in range(10)] == [True] * 10 and not cheap.probing
@@ -325,30 +325,48 @@ def test_what_an_allocation_saved_is_measured_from_what_the_target_accepted():
 
 def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():
     """Where drafting does not pay, a probe may add to its step no more than ``probe_share`` of the predicted time of
-    the steps skipped since the last probe."""
+    the steps skipped since the last probe; it waits past its schedule until that pays for one node, then explores:
+    it verifies as many nodes as the allowance pays for, best first, whether they pay at their prices or not."""
 
     class Drafter:
         def predict(self, x):
-            return 0.012  # the drafter's call is not counted against the allowance: it drafts on schedule
+            return 0.012  # the drafter's call is not counted against the allowance
 
-    trees = [star([0.5, 0.4, 0.3, 0.2])]
-    gate = DraftGate(STEEP, Drafter(), probe_every=4, probe_share=0.01)
-    gate.record(trees)
+    trees = [star([0.5, 0.4, 0.3, 0.2])]  # on MIDDLE (6 ms a node over a 60 ms step) 0.5 alone would pay
+    gate = DraftGate(MIDDLE, Drafter(), probe_every=4, probe_share=0.01)
+    gate.record([star([0.05])])  # what the trees were worth lately: nothing that pays
     skipped = 0
     while not gate.should_draft(1):
         skipped += 1
-    assert skipped == 4 and gate.probing and gate.allowance == 0.0
-    assert gate.probe_seconds == pytest.approx(4 * 0.01 * 0.060)  # 2.4 ms: not one 60 ms token of STEEP
-    assert allocate(trees, STEEP, max_extra_seconds=gate.probe_seconds).total_nodes == 0
-    # the probe learnt nothing that pays: the next one waits twice as long, and its allowance is twice as large
+    # due after 4 skipped steps, the probe waited until 1% of the skipped steps' 60 ms paid for a 6 ms node
+    assert skipped == 10 and gate.probing and gate.allowance == 0.0
+    assert gate.probe_seconds == pytest.approx(10 * 0.01 * 0.060)
+    assert allocate(trees, MIDDLE, max_extra_seconds=gate.probe_seconds, explore=True).total_nodes == 1
+    # exploring: the allowance's nodes, best first, paying or not (a 0.05 node does not pay for 6 ms)
+    assert allocate([star([0.05, 0.04])], MIDDLE, max_extra_seconds=0.013).total_nodes == 0
+    assert allocate([star([0.05, 0.04])], MIDDLE, max_extra_seconds=0.013, explore=True).total_nodes == 2
+    assert allocate(trees, MIDDLE, max_extra_seconds=0.024, explore=True).total_nodes == 4
+    assert allocate(trees, MIDDLE, max_extra_seconds=0.1, explore=True).total_nodes == 4  # no more than there are
+    # the probe learnt nothing that pays: the next one is due twice as late, and waits for its node just the same
     skipped = 0
     while not gate.should_draft(1):
         skipped += 1
-    assert skipped == 8 and gate.probe_seconds == pytest.approx(8 * 0.01 * 0.060)
-    # on a cheaper curve the same allowance buys nodes: 6 ms a token on MIDDLE
-    assert allocate(trees, MIDDLE, max_extra_seconds=0.0048).total_nodes == 0
-    assert allocate(trees, MIDDLE, max_extra_seconds=0.013).total_nodes == 2
-    assert allocate(trees, MIDDLE, max_extra_seconds=0.024).total_nodes == 4
+    assert skipped == 10 and gate.interval == 8
+    for _ in range(2):  # 16, 32
+        while not gate.should_draft(1):
+            pass
+    skipped = 0
+    while not gate.should_draft(1):
+        skipped += 1
+    assert skipped == gate.interval == 64 and gate.probe_seconds == pytest.approx(64 * 0.01 * 0.060)
+    # where one node costs a whole 60 ms step (STEEP) the first probe comes after 100 skipped steps
+    steep = DraftGate(STEEP, Drafter(), probe_every=4, probe_share=0.01)
+    steep.record([star([0.05])])
+    skipped = 0
+    while not steep.should_draft(1):
+        skipped += 1
+    assert skipped == 100 and allocate(trees, STEEP, max_extra_seconds=steep.probe_seconds, explore=True
+                                       ).total_nodes == 1
     # drafting that pays needs no probe and is not capped
     flat = DraftGate(FLAT, Drafter(), probe_share=0.01)
     flat.record(trees)

@@ -238,7 +238,8 @@ def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
 
 
 def test_a_probes_verification_is_capped_by_its_allowance():
-    """A probe verifies no more than the skipped steps' allowance buys (1% of each one's predicted time)."""
+    """A probe verifies no more than the skipped steps' allowance buys (1% of each one's predicted time), and
+    waits until that buys a node."""
     tokens = np.arange(1, 40)
     budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, 0.05 + 0.02 * (tokens - 1))), max_nodes=8)
     tree = DraftTree(np.array([7, 8]), np.array([-1, 0], np.int32), np.array([0.9, 0.9], np.float32))
@@ -246,9 +247,10 @@ def test_a_probes_verification_is_capped_by_its_allowance():
     skipped = 0
     while not budget.should_draft(1):
         skipped += 1
-    assert skipped == budget.gate.probe_every and budget.gate.probing
-    assert budget.gate.probe_seconds == pytest.approx(skipped * 0.01 * 0.05)  # 8 ms: less than a token's 20 ms
-    assert budget.admit([tree]) == [None]
+    # due after 16 skipped steps (8 ms of allowance), it waited for a token's 20 ms
+    assert skipped == 40 and budget.gate.probing
+    assert budget.gate.probe_seconds == pytest.approx(skipped * 0.01 * 0.05)
+    assert budget.admit([tree])[0].num_nodes == 1
     budget.gate.probing = False  # the same tree on a priced step pays whole (2.71 tokens in 90 ms)
     assert budget.admit([tree])[0].num_nodes == 2
 

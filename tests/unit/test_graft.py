@@ -18,7 +18,7 @@ from vllm_treespec.verify.calibration import AcceptanceCalibration
 from vllm_treespec.proposers.graft.assemble import assemble, assemble_tree
 from vllm_treespec.proposers.graft.budget import BudgetCurve
 from vllm_treespec.proposers.graft.calibration import load_calibration
-from vllm_treespec.proposers.graft.drafter import ModelDrafter
+from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter
 from vllm_treespec.proposers.graft.growth import DraftGrowth, DraftLevel
 from vllm_treespec.pruning import below_checkpoint
 from vllm_treespec.tools.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
@@ -580,8 +580,8 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     pair.step_cost = Linear(0.05, 0.001)  # cheap tokens
     p.propose_trees(pair)  # no history: it drafts (the CPU table would not, at batch 2) and learns its worth
     assert drafter.ingested == 1 and p.head_cost.predict(2) is None  # a first call (compiles) is not timed
-    p.propose_trees(pair)  # the trees graft drafts without the head, to weigh the head's against
-    assert drafter.ingested == 1 and p.stats.retrieval_only_steps == 1 and p.retrieval_gate.marginal is not None
+    # ...and what the trees graft drafts without the head are worth, from trees assembled but not proposed
+    assert p.stats.retrieval_only_steps == 0 and p.retrieval_gate.marginal is not None
     p.propose_trees(pair)  # not timed yet, so free: it drafts, and is timed
     assert drafter.ingested == 2 and p.head_cost.predict(2) is not None
     p.head_cost.observe(2, 0.001)
@@ -589,10 +589,10 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     assert drafter.ingested == 3  # a few ms of head for ~0.9 tokens a request: it pays
     p.head_cost.buckets = {1: 10.0}  # a head that takes 10 s a step never pays
     p.propose_trees(pair)
-    assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 2
+    assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 1
     pair.probing = True  # ...but the verifier's probe measures the trees graft drafts when drafting pays
     p.propose_trees(pair)
-    assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 2
+    assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1
 
 
 def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_cost():
@@ -647,21 +647,32 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
 
 
 def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
-    """While the head drafts every step, every ``probe_every``-th step drafts without it, so that what the
-    retrieval-only trees are worth is not a stale number from the start of the request."""
+    """While the head drafts every step, its first step and every ``probe_every``-th after it also assemble the
+    retrieval-only trees (never proposed), so that what they are worth is not a stale number from the start of the
+    request; no step drafts without the head only to measure them (the verifier's gate, which prices whatever graft
+    proposes, would learn from such steps that graft's trees are worth less than they are)."""
 
     class CountingDrafter(ScriptedDrafter):
-        def ingest(self, ctx):
-            pass
+        ingested = 0
 
-    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False),
-                      drafter=CountingDrafter({0: [0.99] * 4}), vocab_size=VOCAB)
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    drafter = CountingDrafter({0: [0.99] * 4})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
+                      vocab_size=VOCAB)
     p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.3))
     p.head_cost.observe(1, 0.01)
     p.head_cost.observe(1, 0.01)
+    measured, proposed = [], []
     for _ in range(50):
         ctx = make_ctx([[1, 2, 3]])
         ctx.step_cost = Linear(0.05, 0.004)
-        p.propose_trees(ctx)
-    # the first step probes with the head, the second drafts without it, then one in every 17
-    assert p.stats.retrieval_only_steps == 1 + (50 - 2) // (p.head_gate.probe_every + 1)
+        marginal = None if p.retrieval_gate is None else p.retrieval_gate.marginal
+        proposed.append(p.propose_trees(ctx)[0])
+        measured.append(p.retrieval_gate.marginal is not marginal)
+    assert drafter.ingested == 50 and p.stats.retrieval_only_steps == 0
+    assert [i for i, m in enumerate(measured) if m] == list(range(0, 50, p.head_gate.probe_every))
+    # what was measured is the successor chain's trees (0.3 a token), while every proposal is the head's tree
+    assert p.retrieval_gate.marginal[0] == pytest.approx(0.3, rel=0.05)
+    assert all(p.acceptance_sources[t.node_sources[0]] == MODEL_SOURCE for t in proposed)

@@ -25,6 +25,10 @@ import numpy as np
 from vllm_treespec.api import DraftTree
 
 
+#: slack on comparisons of an allowance (a sum of many shares of steps) with a step's extra seconds
+ROUNDING_SECONDS = 1e-12
+
+
 class StepCost(Protocol):
     def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1) -> np.ndarray: ...
 
@@ -92,20 +96,26 @@ class Allocation:
 
 
 def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
-                overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None
-                ) -> tuple[int, float, float, float]:
+                overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
+                explore: bool = False) -> tuple[int, float, float, float]:
     """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]),
     among the k whose step costs at most ``max_extra_seconds`` more than the plain step's (None: any).
-    Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain."""
+    Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain.
+    ``explore`` (with ``max_extra_seconds``): the largest such k instead, paying or not."""
     k_all = np.arange(gains.size + 1)
     seconds = np.asarray(cost.predict_many(base_tokens + k_all, num_reqs), np.float64).copy()
     seconds[1:] += overhead
     expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
     rates = expected / np.maximum(seconds, 1e-12)
-    if max_extra_seconds is not None:
-        rates[1:][seconds[1:] - seconds[0] > max_extra_seconds] = -np.inf
-    k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
     plain = float(rates[0])
+    if max_extra_seconds is not None:
+        affordable = seconds - seconds[0] <= max_extra_seconds + ROUNDING_SECONDS
+        if explore:
+            k = int(np.flatnonzero(affordable)[-1])
+            return k, float(expected[k]), float(seconds[k]), plain
+        rates[~affordable] = -np.inf
+        rates[0] = plain
+    k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
     if k and not rates[k] > plain * (1 + min_gain):
         k = 0
     return k, float(expected[k]), float(seconds[k]), plain
@@ -114,7 +124,8 @@ def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: i
 def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int | None = None,
              base_tokens: int | None = None, base_expected: float | None = None,
              per_request_cap: int | Sequence[int] | None = None, batch_cap: int | None = None,
-             overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None) -> Allocation:
+             overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
+             explore: bool = False) -> Allocation:
     """Admit the batch's draft nodes best-first by path probability while they raise expected tokens per second.
 
     trees: one per request (None: no draft). Trees without ``node_probs`` are kept whole; their nodes count as
@@ -128,6 +139,9 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     min_gain: admit only if the rate beats plain decoding's by this relative margin.
     max_extra_seconds: admit no more than a step this much dearer than plain decoding's can verify (a probe's
         allowance, :class:`DraftGate`).
+    explore: with ``max_extra_seconds``, admit as many nodes (best first) as that allows, whether they pay at their
+        prices or not: a probe that verifies only the nodes that pay learns nothing once low prices stopped the
+        drafting, and the calibration only learns from verified nodes.
     """
     n = len(trees)
     num_reqs = n if num_reqs is None else int(num_reqs)
@@ -159,7 +173,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     candidates = np.array(candidates, np.int64)
     gains = p_all[candidates] if candidates.size else np.zeros(0)
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
-                                              min_gain, max_extra_seconds)
+                                              min_gain, max_extra_seconds, explore)
     admitted = candidates[:k]
     out: list[DraftTree | None] = []
     num_nodes = np.zeros(n, np.int64)
@@ -202,11 +216,12 @@ class DraftGate:
     step); what each allocation saved, averaged over the steps, does not.
 
     A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
-    and a probe may add no more than that to its step (``probe_seconds``, for :func:`allocate`'s
-    ``max_extra_seconds``). Where a verified token costs most of a step (bf16 on an AVX2 CPU) a probe of 16 nodes
-    would cost ten plain steps; there a probe verifies a node or two, once the back-off has made the skipped steps
-    many, while on a flat curve (GPUs) it still verifies whole trees. The drafter's call on a probe is not counted
-    against the allowance: the back-off keeps its share small, and a probe that drafts nothing learns nothing.
+    and a probe adds to its step as many nodes as that pays for, best first, whether they pay at their prices or not
+    (``probe_seconds``, for :func:`allocate`'s ``max_extra_seconds`` and ``explore``): prices only change with
+    verified nodes. Where a verified token costs most of a step (bf16 on an AVX2 CPU) a probe of 16 nodes would cost
+    ten plain steps; there a probe verifies a node or two, while on a flat curve (GPUs) it verifies whole trees. A
+    probe waits, past its schedule, until the allowance pays for one node: one that can verify none only costs the
+    drafter's call. That call is not counted against the allowance: the back-off keeps its share small.
     Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
@@ -310,7 +325,7 @@ class DraftGate:
             self.skipped = 0
             self.interval = self.probe_every
             return True
-        if self.skipped >= self.interval:
+        if self.skipped >= self.interval and self._affords_a_node(num_reqs, base_tokens):
             allowance, self.allowance = self.allowance, 0.0
             return self._probe(allowance)
         if after_probe:  # what the probe learned does not pay either
@@ -319,6 +334,12 @@ class DraftGate:
         if plain > 0:
             self.allowance += self.probe_share * num_reqs / plain  # a share of the plain step's predicted seconds
         return False
+
+    def _affords_a_node(self, num_reqs: int, base_tokens: int | None) -> bool:
+        """Whether the allowance pays for verifying one node in a step of ``num_reqs`` decoding requests."""
+        base = num_reqs if base_tokens is None else base_tokens
+        seconds = np.asarray(self.cost.predict_many(np.array([base, base + 1]), num_reqs), np.float64)
+        return float(seconds[1] - seconds[0]) <= self.allowance + ROUNDING_SECONDS
 
     def _probe(self, seconds: float | None) -> bool:
         """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped)."""

@@ -154,7 +154,8 @@ class StepBudget:
         allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,
                               per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
                               overhead=overhead, min_gain=self.min_gain,
-                              max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None)
+                              max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None,
+                              explore=self.gate.probing)
         self.last = allocation
         # a probe is priced without the tree work: what it saves is counted with it
         self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
