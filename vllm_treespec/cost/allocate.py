@@ -113,8 +113,7 @@ def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: i
         if explore:
             k = int(np.flatnonzero(affordable)[-1])
             return k, float(expected[k]), float(seconds[k]), plain
-        rates[~affordable] = -np.inf
-        rates[0] = plain
+        rates[1:][~affordable[1:]] = -np.inf
     k = int(np.argmax(rates))  # first maximum: the fewest nodes among equals
     if k and not rates[k] > plain * (1 + min_gain):
         k = 0
