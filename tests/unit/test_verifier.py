@@ -399,6 +399,21 @@ def test_sample_without_tree_rows_is_vllms_own():
     assert verifier.stats["tree_steps"] == 0
 
 
+def test_a_step_without_drafts_takes_vllms_plain_sampler():
+    """vLLM hands every step of a speculative engine spec-decode metadata; with no draft in the step, the verifier
+    passes none on, so vLLM samples as without speculation instead of running its rejection sampler."""
+    verifier = make_verifier(trees={})
+    verifier.propose([[9], [5]])
+    verifier.attach(*schedule(verifier.runner, {}))
+    seen = []
+    output = sampler_output()
+    assert verifier.sample(lambda lg, md: seen.append(md) or output, one_hot_logits([0] * 2),
+                           SimpleNamespace(num_draft_tokens=[0, 0])) is output
+    metadata = SimpleNamespace(num_draft_tokens=[0, 2])  # a chain's drafts: vLLM's rejection sampler verifies them
+    verifier.sample(lambda lg, md: seen.append(md) or output, one_hot_logits([0] * 4), metadata)
+    assert seen == [None, metadata]
+
+
 @pytest.fixture
 def cpu_expand_fix():
     """vLLM 0.32's CPU expand kernel leaves float outputs uninitialised; the engine runs with our fix applied."""

@@ -1,0 +1,161 @@
+"""Where an engine step's time goes, per function, for one method against another: exact timers, not sampling.
+
+    python scripts/step_split.py --methods 'none;graft' --dtype bfloat16
+    python scripts/step_split.py --methods 'none;graft:{"num_speculative_tokens":16}' --prompts "sharegpt[1000:1002]"
+
+Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
+worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, one prompt at a time,
+``--max-tokens`` each. After a warm-up request, the functions of :data:`TIMED` are wrapped with ``perf_counter``
+timers. Printed per method: tok/s, engine steps, ms per step, the model forward's median per token count, and each
+timed function's milliseconds per engine step (inclusive; nested functions count in both). The wrappers cost about a
+microsecond per call, so functions called per layer read a little high. ``profile_worker.py`` (py-spy) shows the same
+worker under sampling, with the engine core in its own process. Never run it beside another torch job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+#: (module, class, method) of the functions timed; missing ones are skipped (a method without a tree verifier)
+TIMED = (
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids"),
+    ("vllm.v1.sample.sampler", "Sampler", "forward"),
+    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward"),
+    ("vllm_treespec.attn.cpu", "TreeCPUAttentionImpl", "forward"),
+    ("vllm_treespec.verify.verifier", "TreeVerifier", "propose"),
+    ("vllm_treespec.verify.verifier", "TreeVerifier", "attach"),
+    ("vllm_treespec.verify.verifier", "TreeVerifier", "sample"),
+    ("vllm_treespec.verify.verifier", "TreeVerifier", "_draft"),
+    ("vllm_treespec.cost.budget", "StepBudget", "should_draft"),
+    ("vllm_treespec.cost.budget", "StepBudget", "admit"),
+    ("vllm_treespec.cost.budget", "StepBudget", "step_finished"),
+)
+
+
+def install_timers(totals: dict[str, float], calls: collections.Counter, forwards: list[tuple[int, float]]) -> None:
+    import importlib
+
+    for module_name, class_name, name in TIMED:
+        try:
+            owner = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue
+        original = owner.__dict__.get(name)
+        if original is None:
+            continue
+        key = f"{class_name}.{name}"
+
+        def timed(*args, __original=original, __key=key, **kwargs):
+            started = time.perf_counter()
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - started
+                totals[__key] += seconds
+                calls[__key] += 1
+                if __key == "GPUModelRunner._model_forward":
+                    ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
+                    forwards.append((int(ids.shape[0]) if ids is not None else -1, seconds))
+
+        setattr(owner, name, functools.wraps(original)(timed))
+
+
+def run_child(args: argparse.Namespace) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from vllm_treespec.tools.bench import load_questions
+    from vllm_treespec.tools.engine_env import cpu_memory_defaults
+    from vllm_treespec.tools.models import ensure_smollm2
+
+    cpu_memory_defaults()
+    llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=2048, max_num_seqs=1,
+              enforce_eager=True, seed=0, speculative_config=json.loads(args.child))
+    torch.set_num_threads(1)  # the in-process worker would use every core; vLLM's CPU worker has one here
+    tokenizer = llm.get_tokenizer()
+    questions = [q for qs in load_questions(args.prompts.split(","), None).values() for q in qs]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
+                                             add_generation_prompt=True) for q in questions]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    totals: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter = collections.Counter()
+    forwards: list[tuple[int, float]] = []
+    install_timers(totals, calls, forwards)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    started, tokens = time.perf_counter(), 0
+    for prompt in prompts:  # one at a time: batch 1
+        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    elapsed = time.perf_counter() - started
+    steps = max(calls["LLMEngine.step"], 1)
+    print(f"  {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.2f} tok/s, {steps} engine steps, "
+          f"{elapsed / steps * 1e3:.2f} ms per step")
+    by_tokens: dict[int, list[float]] = collections.defaultdict(list)
+    for num_tokens, seconds in forwards:
+        by_tokens[num_tokens].append(seconds)
+    print("  model forward, median ms by tokens in the step: " + ", ".join(
+        f"{t}: {statistics.median(v) * 1e3:.1f} (x{len(v)})" for t, v in sorted(by_tokens.items())))
+    for key in sorted(totals, key=lambda k: -totals[k]):
+        print(f"  {key:42s} {totals[key] / steps * 1e3:8.3f} ms per step  ({calls[key]} calls)")
+
+
+def parse_methods(text: str) -> list[tuple[str, str]]:
+    """'none;graft:{...}' -> [(label, speculative-config JSON or 'null')]."""
+    methods = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, options = item.partition(":")
+        if name == "none":
+            methods.append((name, "null"))
+            continue
+        config = {"method": name, **(json.loads(options) if options else {})}
+        methods.append((item, json.dumps(config)))
+    return methods
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="none;graft", help="';'-separated: none, or METHOD[:{json options}]")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", default="sharegpt[1000:1002]",
+                        help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 1000-1001, held out)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.child is not None:
+        run_child(args)
+        return 0
+    for label, config in parse_methods(args.methods):
+        print(f"== {label} ({args.dtype})", flush=True)
+        command = [sys.executable, __file__, "--child", config, "--dtype", args.dtype, "--prompts", args.prompts,
+                   "--max-tokens", str(args.max_tokens)] + (["--model", args.model] if args.model else [])
+        result = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
+        print("\n".join(lines) if lines else result.stderr[-3000:], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
