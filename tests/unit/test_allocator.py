@@ -180,6 +180,31 @@ def test_with_a_fitted_step_cost_model():
     assert a.num_nodes.tolist() == [int(np.argmax(rates))]
 
 
+
+def test_rows_of_long_requests_are_priced_by_their_context():
+    """Every row attends to its request's whole sequence: with a context term, the same tree earns fewer nodes on a
+    long request than on a short one, and none where a row costs more than its gain can pay."""
+    model = StepCostModel(PiecewiseLinear([1, 2, 4, 8, 16, 32], [0.06, 0.062, 0.065, 0.08, 0.11, 0.17]),
+                          per_context=2e-5, reference_context=256)
+    probs = [0.5, 0.3, 0.2, 0.15, 0.1, 0.08, 0.05, 0.04]
+    widths = {}
+    for seq_len in (256, 1024, 4096):
+        row = seq_len - 256
+        a = allocate([star(probs)], model, row_excess=np.array([row], np.float64))
+        rates = [(1 + sum(probs[:w])) / model.predict(1 + w, 1, (1 + w) * row) for w in range(len(probs) + 1)]
+        assert a.num_nodes.tolist() == [int(np.argmax(rates))]
+        assert a.seconds == pytest.approx(model.predict(1 + a.total_nodes, 1, (1 + a.total_nodes) * row))
+        widths[seq_len] = a.total_nodes
+    assert widths[256] == allocate([star(probs)], model).total_nodes  # at the curve's context: as without
+    assert widths[256] > widths[1024] > widths[4096] == 0
+    # two requests, the same tree: the short one's nodes are admitted, the long one's are not
+    both = allocate([star(probs), star(probs)], model, row_excess=np.array([0.0, 4096 - 256]))
+    assert both.num_nodes[0] > 0 and both.num_nodes[1] == 0
+    # the gate prices a step of the same rows the same way
+    gate = DraftGate(model)
+    gate.marginal = np.array(probs)
+    assert gate.expected_best(1, row_excess=0.0)[0] > gate.expected_best(1, row_excess=4096 - 256)[0]
+
 def test_min_gain_and_overhead_turn_marginal_speculation_off():
     t = star([0.1])
     cost = Curve(lambda x: 0.06 + 0.004 * (x - 1))

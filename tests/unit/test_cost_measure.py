@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_treespec.cost.measure import (StepDriver, default_points, measure_drafter, relative_errors, time_callable,
-                                        time_rounds)
+from vllm_treespec.cost.measure import (StepDriver, default_points, measure_drafter, relative_errors, sweep,
+                                        time_callable, time_rounds)
 from vllm_treespec.cost.model import StepCostModel, StepSample
 
 
@@ -65,8 +65,14 @@ class FakeRunner:
 
         self.uniform_decode_query_len = 17
         self.max_num_tokens = 40
+        self.max_model_len = 600
         self.scheduler_config = SimpleNamespace(max_num_seqs=4)
+        self.kv_cache_config = SimpleNamespace(num_blocks=6)
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="fake", dtype=torch.float32))
+        table = SimpleNamespace(block_size=16, block_table=SimpleNamespace(np=np.zeros((4, 38), np.int32)))
+        self.input_batch = SimpleNamespace(block_table=[table])
         self.runs = []
+        self.tables = []  # the block table rows each dummy run saw
         self.model = SimpleNamespace(compute_logits=lambda h: h @ torch.ones(h.shape[1], 5))
 
     def _sync_device(self):
@@ -76,6 +82,7 @@ class FakeRunner:
         import torch
 
         self.runs.append((num_tokens, self.uniform_decode_query_len, kwargs))
+        self.tables.append(self.input_batch.block_table[0].block_table.np.copy())
         hidden = torch.zeros(num_tokens, 3)
         return hidden, hidden[-1:]
 
@@ -89,6 +96,26 @@ def test_step_driver_sets_the_query_length_and_restores_it():
     assert kwargs["uniform_decode"] and kwargs["force_attention"] and kwargs["profile_seq_lens"] == 64
     with pytest.raises(ValueError):
         StepDriver(runner)(5, 2)
+
+
+def test_step_driver_gives_each_request_distinct_blocks_and_restores_the_table():
+    """vLLM's dummy run leaves every block id 0: its attention would read one cached block again and again."""
+    runner = FakeRunner()
+    StepDriver(runner, context_len=40)(8, 2)
+    seen = runner.tables[-1]
+    assert seen[:2, :3].tolist() == [[1, 2, 3], [4, 5, 1]]  # ceil(40 / 16) blocks each, block 0 never, wrapped
+    assert not seen[:, 3:].any() and not seen[2:].any()
+    assert not runner.input_batch.block_table[0].block_table.np.any()  # restored
+
+
+def test_the_sweep_times_a_few_points_again_at_a_longer_context():
+    runner = FakeRunner()
+    record, _ = sweep(runner, points=[(1, 1), (2, 1), (8, 1)], repeats=2, context_len=64, budget_s=5.0)
+    assert record.context_len == 64
+    longer = [s for s in record.samples if s.context_len]
+    assert {(s.num_tokens, s.num_reqs, s.context_len) for s in longer} == {(1, 1, 512), (8, 1, 512), (16, 1, 512)}
+    assert {kw["profile_seq_lens"] for _, _, kw in runner.runs} == {64, 512}
+    assert record.step_model().reference_context == 64
 
 
 def test_default_points_respect_the_runner_limits():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRecord, CurveModel, PiecewiseLinear,
-                                      StepCostModel, StepSample, isotonic, load_or_measure)
+                                      StepCostModel, StepSample, context_excess, isotonic, load_or_measure)
 
 GRID = [1, 2, 4, 8, 16, 32, 64]
 
@@ -248,3 +248,38 @@ def test_a_sweep_cut_short_is_used_but_not_cached(tmp_path, log_lines):
     record, cached = load_or_measure(KEY, lambda: short, cache)
     assert record == short and not cached
     assert not cache.path(KEY).exists() and "not caching" in log_lines[0].getMessage()
+
+
+def test_the_context_term_is_fitted_from_samples_at_a_longer_context_and_priced_per_row():
+    """A row attends to its request's whole sequence: samples timed at 4x the sweep's context give the seconds per
+    row and position beyond it; the curve itself comes from the sweep's context alone."""
+    per_position = 3e-6  # 3 ms per row and 1000 positions
+    samples = samples_of(cpu_like, reqs=(1, 2))
+    samples += [StepSample(t, 1, float(cpu_like(t)) + per_position * t * (1024 - 256), 1024) for t in (1, 8, 16)
+                for _ in range(3)]
+    model = CostRecord(FORMAT_VERSION, KEY, samples, context_len=256).step_model()
+    assert model.per_context == pytest.approx(per_position, rel=1e-6)
+    assert model.predict(8, 1) == pytest.approx(cpu_like(8))  # at the sweep's context: the curve
+    assert model.predict(8, 1, excess=8 * (2000 - 256)) == pytest.approx(cpu_like(8) + per_position * 8 * 1744)
+    assert model.predict(8, 1, excess=-8 * 200) < model.predict(8, 1)  # shorter rows cost less
+    # the engine's accounting: each request's rows times how far its sequence ends beyond the sweep's context
+    assert context_excess(np.array([1, 9]), np.array([300, 2000]), 256) == 1 * 44 + 9 * 1744
+    # a record without such samples has no context term, and its curve is unchanged by the extra samples
+    plain = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like, reqs=(1, 2)), context_len=256).step_model()
+    assert plain.per_context == 0.0 and plain.predict(16, 2) == pytest.approx(model.predict(16, 2))
+    assert CostRecord(FORMAT_VERSION, KEY, samples, context_len=256).single_request_points == len(GRID)
+
+
+def test_a_cache_of_the_format_before_the_context_term_is_measured_again(tmp_path, caplog):
+    cache = CostCache(tmp_path)
+    record = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like))
+    path = cache.save(record)
+    old = msgspec.json.decode(path.read_bytes())
+    old["format_version"] = 1
+    for sample in old["samples"]:
+        del sample["context_len"]
+    del old["context_len"]
+    path.write_bytes(msgspec.json.encode(old))
+    with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
+        assert cache.load(KEY) is None
+    assert "format 1" in caplog.text

@@ -30,7 +30,17 @@ ROUNDING_SECONDS = 1e-12
 
 
 class StepCost(Protocol):
-    def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1) -> np.ndarray: ...
+    """Seconds of steps of ``num_tokens`` tokens; ``excess`` (passed only when the caller knows the requests'
+    contexts): the steps' context terms, :func:`~vllm_treespec.cost.model.context_excess`."""
+
+    def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1, excess: np.ndarray | float = 0.0
+                     ) -> np.ndarray: ...
+
+
+def _predict(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, excess: np.ndarray | None) -> np.ndarray:
+    seconds = cost.predict_many(num_tokens, num_reqs) if excess is None else cost.predict_many(num_tokens, num_reqs,
+                                                                                              excess=excess)
+    return np.asarray(seconds, np.float64).copy()
 
 
 def path_probs(tree: DraftTree) -> np.ndarray:
@@ -97,13 +107,14 @@ class Allocation:
 
 def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
                 overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
-                explore: bool = False) -> tuple[int, float, float, float]:
+                explore: bool = False, excess: np.ndarray | None = None) -> tuple[int, float, float, float]:
     """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]),
     among the k whose step costs at most ``max_extra_seconds`` more than the plain step's (None: any).
     Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain.
-    ``explore`` (with ``max_extra_seconds``): the largest such k instead, paying or not."""
+    ``explore`` (with ``max_extra_seconds``): the largest such k instead, paying or not. ``excess``: the context term
+    of each prefix's step (len(gains) + 1 values; None: every row at the curve's context)."""
     k_all = np.arange(gains.size + 1)
-    seconds = np.asarray(cost.predict_many(base_tokens + k_all, num_reqs), np.float64).copy()
+    seconds = _predict(cost, base_tokens + k_all, num_reqs, excess)
     seconds[1:] += overhead
     expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
     rates = expected / np.maximum(seconds, 1e-12)
@@ -124,7 +135,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
              base_tokens: int | None = None, base_expected: float | None = None,
              per_request_cap: int | Sequence[int] | None = None, batch_cap: int | None = None,
              overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
-             explore: bool = False) -> Allocation:
+             explore: bool = False, row_excess: np.ndarray | None = None) -> Allocation:
     """Admit the batch's draft nodes best-first by path probability while they raise expected tokens per second.
 
     trees: one per request (None: no draft). Trees without ``node_probs`` are kept whole; their nodes count as
@@ -141,6 +152,9 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     explore: with ``max_extra_seconds``, admit as many nodes (best first) as that allows, whether they pay at their
         prices or not: a probe that verifies only the nodes that pay learns nothing once low prices stopped the
         drafting, and the calibration only learns from verified nodes.
+    row_excess: per request, what one more row of it adds to the step's context term (its sequence length beyond
+        the cost curve's context; ``StepTime.row_excess``): a node of a long request costs more than one of a short
+        one. The plain step's rows are priced with it too. None: every row at the curve's context.
     """
     n = len(trees)
     num_reqs = n if num_reqs is None else int(num_reqs)
@@ -171,8 +185,15 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
             candidates.append(j)
     candidates = np.array(candidates, np.int64)
     gains = p_all[candidates] if candidates.size else np.zeros(0)
+    excess = None
+    if row_excess is not None:
+        per_request = np.broadcast_to(np.asarray(row_excess, np.float64), (n,))
+        fixed_excess = sum(float(per_request[i]) * min(t.num_nodes, int(caps[i])) for i, t in enumerate(trees)
+                           if t is not None and t.node_probs is None)
+        base_excess = float(per_request.sum()) + fixed_excess  # each request's own row, and trees kept whole
+        excess = base_excess + np.concatenate([[0.0], np.cumsum(per_request[req[candidates]])])
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
-                                              min_gain, max_extra_seconds, explore)
+                                              min_gain, max_extra_seconds, explore, excess)
     admitted = candidates[:k]
     out: list[DraftTree | None] = []
     num_nodes = np.zeros(n, np.int64)
@@ -292,20 +313,25 @@ class DraftGate:
         self.surplus = (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved
 
     def expected_best(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
-                      drafter_seconds: float = 0.0) -> tuple[float, float]:
-        """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests."""
+                      drafter_seconds: float = 0.0, row_excess: float | None = None) -> tuple[float, float]:
+        """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests (``row_excess``: the
+        context term of one of their rows, on average; None: at the curve's context)."""
         base = num_reqs if base_tokens is None else base_tokens
         per_request = self.marginal if self.marginal is not None else np.zeros(0)
         if max_nodes is not None:
             per_request = per_request[:max_nodes]
         gains = np.sort(np.repeat(per_request, num_reqs))[::-1]
         k_all = np.arange(gains.size + 1)
-        seconds = np.asarray(self.cost.predict_many(base + k_all, num_reqs), np.float64).copy()
+        excess = None if row_excess is None else (num_reqs + k_all) * row_excess
+        seconds = _predict(self.cost, base + k_all, num_reqs, excess)
         seconds[1:] += drafter_seconds + self.overhead
         rates = (num_reqs + np.concatenate([[0.0], np.cumsum(gains)])) / np.maximum(seconds, 1e-12)
         return float(rates[1:].max()) if gains.size else 0.0, float(rates[0])
 
-    def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None) -> bool:
+    def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
+                     row_excess: float | None = None) -> bool:
+        """``row_excess``: the context term of one of the requests' rows, on average (None: at the curve's
+        context)."""
         self.probing = False
         self.probe_seconds = None
         self.last_rates = None
@@ -315,7 +341,7 @@ class DraftGate:
             return self._probe(None)
         measured = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
         drafter = measured or 0.0  # a drafter not timed yet counts as free: it drafts, and is timed
-        best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter)
+        best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter, row_excess)
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
         cheap = measured is not None and plain > 0 and measured <= self.free_share * num_reqs / plain
@@ -324,7 +350,7 @@ class DraftGate:
             self.skipped = 0
             self.interval = self.probe_every
             return True
-        if self.skipped >= self.interval and self._affords_a_node(num_reqs, base_tokens):
+        if self.skipped >= self.interval and self._affords_a_node(num_reqs, base_tokens, row_excess):
             allowance, self.allowance = self.allowance, 0.0
             return self._probe(allowance)
         if after_probe:  # what the probe learned does not pay either
@@ -334,10 +360,11 @@ class DraftGate:
             self.allowance += self.probe_share * num_reqs / plain  # a share of the plain step's predicted seconds
         return False
 
-    def _affords_a_node(self, num_reqs: int, base_tokens: int | None) -> bool:
+    def _affords_a_node(self, num_reqs: int, base_tokens: int | None, row_excess: float | None = None) -> bool:
         """Whether the allowance pays for verifying one node in a step of ``num_reqs`` decoding requests."""
         base = num_reqs if base_tokens is None else base_tokens
-        seconds = np.asarray(self.cost.predict_many(np.array([base, base + 1]), num_reqs), np.float64)
+        excess = None if row_excess is None else np.array([num_reqs, num_reqs + 1], np.float64) * row_excess
+        seconds = _predict(self.cost, np.array([base, base + 1]), num_reqs, excess)
         return float(seconds[1] - seconds[0]) <= self.allowance + ROUNDING_SECONDS
 
     def _probe(self, seconds: float | None) -> bool:

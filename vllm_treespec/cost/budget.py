@@ -47,11 +47,20 @@ class StepTime:
         self.forward = forward
         self.host = RunningMedian()
 
-    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1) -> np.ndarray:
-        return self.forward.predict_many(num_tokens, num_reqs) + self.host.seconds
+    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0
+                     ) -> np.ndarray:
+        """``excess``: the step's context term (:func:`~vllm_treespec.cost.model.context_excess`)."""
+        return self.forward.predict_many(num_tokens, num_reqs, excess) + self.host.seconds
 
-    def predict(self, num_tokens: float, num_reqs: int = 1) -> float:
-        return float(self.predict_many(num_tokens, num_reqs))
+    def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0) -> float:
+        return float(self.predict_many(num_tokens, num_reqs, excess))
+
+    def row_excess(self, seq_lens: np.ndarray) -> np.ndarray | None:
+        """Per request, the context term of one more row of it (its sequence length beyond the curve's context);
+        None when the model has no context term (a row costs the same at any length)."""
+        if not self.forward.per_context:
+            return None
+        return np.asarray(seq_lens, np.float64) - self.forward.reference_context
 
 
 class DrafterCost:
@@ -84,6 +93,8 @@ class StepBudget:
         self._step: tuple[int, int, float] | None = None
         self._previous: tuple[float, int, int, float | None] | None = None  # start, tokens, requests, forward s
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
+        self._excess = 0.0  # the context term of the step whose forward started last
+        self._previous_excess = 0.0
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
                       "probes": 0, "observed_steps": 0}
         self.trace = BudgetTrace.from_env()
@@ -118,9 +129,11 @@ class StepBudget:
         return self.step_time.host.seconds
 
     # --- per step ----------------------------------------------------------------------------------------------
-    def should_draft(self, num_reqs: int) -> bool:
+    def should_draft(self, num_reqs: int, row_excess: np.ndarray | None = None) -> bool:
+        """``row_excess``: :meth:`StepTime.row_excess` of the drafting requests (None: at the curve's context)."""
         self.gate.overhead = self.tree_work.seconds
-        draft = self.gate.should_draft(num_reqs, self.max_nodes)
+        draft = self.gate.should_draft(num_reqs, self.max_nodes,
+                                       row_excess=None if row_excess is None else float(np.mean(row_excess)))
         self.stats["skipped_drafts"] += not draft
         if self.trace is not None:
             rates = self.gate.last_rates
@@ -141,9 +154,11 @@ class StepBudget:
             self.trace.plan(drafter_ms=seconds * 1e3)
 
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
-              base_tokens: int | None = None, drafted: bool = True) -> list[DraftTree | None]:
+              base_tokens: int | None = None, drafted: bool = True, row_excess: np.ndarray | None = None
+              ) -> list[DraftTree | None]:
         """The trees trimmed to the nodes that pay (only those with node_probs change). ``drafted``: the drafter was
-        called for them (False: the gate skipped it, and the trees are all None)."""
+        called for them (False: the gate skipped it, and the trees are all None). ``row_excess``: per tree's request,
+        :meth:`StepTime.row_excess` (None: every row at the curve's context)."""
         if not any(t is not None and t.node_probs is not None for t in trees):
             if drafted and all(t is None for t in trees):
                 self.gate.allocated(None)  # a call that proposed nothing saved nothing
@@ -155,7 +170,7 @@ class StepBudget:
                               per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
                               overhead=overhead, min_gain=self.min_gain,
                               max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None,
-                              explore=self.gate.probing)
+                              explore=self.gate.probing, row_excess=row_excess)
         self.last = allocation
         # a probe is priced without the tree work: what it saves is counted with it
         self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
@@ -167,19 +182,21 @@ class StepBudget:
             self.trace.plan(admitted=allocation.total_nodes, expected=allocation.expected_tokens)
         return allocation.trees
 
-    def step_started(self, num_tokens: int, num_reqs: int) -> None:
-        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests starts: the previous step's host time is
-        what the time since its start leaves after its forward, its drafter call and its tree work."""
+    def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0) -> None:
+        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term) starts: the
+        previous step's host time is what the time since its start leaves after its forward, its drafter call and
+        its tree work."""
         now = time.perf_counter()
         if self._previous is not None:
             started, tokens, reqs, forward = self._previous
             if forward is None:  # not timed (an asynchronous device): the model's prediction
-                forward = self.cost.predict(tokens, reqs)
+                forward = self.cost.predict(tokens, reqs, self._previous_excess)
             host = now - started - forward - self._cycle_other
             if host <= MAX_HOST_SECONDS:
                 self.step_time.host.add(max(host, 0.0))
         self._cycle_other = 0.0
         self._step = (int(num_tokens), int(num_reqs), now)
+        self._excess = self._previous_excess = float(excess)
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3)
@@ -193,7 +210,7 @@ class StepBudget:
         self._step = None
         if num_tokens > 0 and num_reqs > 0:
             seconds = time.perf_counter() - started
-            self.cost.observe(num_tokens, num_reqs, seconds)
+            self.cost.observe(num_tokens, num_reqs, seconds, self._excess)
             self._previous = (started, num_tokens, num_reqs, seconds)
             self.stats["observed_steps"] += 1
             if self.trace is not None:

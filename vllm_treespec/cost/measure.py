@@ -17,17 +17,18 @@ it is timed the same way into the record's ``drafters`` entry.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import msgspec
 import numpy as np
 
-from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRecord, StepCostModel, StepSample,
-                                      load_or_measure)
+from vllm_treespec.cost.model import (DEFAULT_CONTEXT_LEN, FORMAT_VERSION, CostCache, CostKey, CostRecord,
+                                      StepCostModel, StepSample, load_or_measure)
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -36,7 +37,10 @@ TOKEN_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: requests of the multi-request points; each is measured at 1 and 4 tokens per request
 BATCH_REQS = (2, 4, 8)
 BATCH_TOKENS_PER_REQ = (1, 4)
-DEFAULT_CONTEXT_LEN = 256
+#: the context term's points: (tokens, requests) timed again at LONG_CONTEXT_FACTOR times the sweep's context (or
+#: the longest the engine takes, if at least twice it)
+LONG_CONTEXT_POINTS = ((1, 1), (8, 1), (16, 1))
+LONG_CONTEXT_FACTOR = 8
 DEFAULT_REPEATS = 5
 DEFAULT_BUDGET_S = 20.0
 DEFAULT_STOP_RATIO = 8.0
@@ -95,11 +99,35 @@ def default_points(runner: Any, grid: Sequence[int] = TOKEN_GRID, batch_reqs: Se
 
 
 class StepDriver:
-    """Runs one dummy verify step of ``T`` tokens from ``R`` requests on the runner and returns its seconds."""
+    """Runs one dummy verify step of ``T`` tokens from ``R`` requests on the runner and returns its seconds.
+
+    The dummy run's block table is empty (every block id 0), so its attention would read one block over and over
+    from the cache: each request gets distinct blocks for the step (restored after), so that a row's attention reads
+    as much memory as in a real step (at 1,000 tokens of context, one block read again cost a third of it)."""
 
     def __init__(self, runner: Any, context_len: int = DEFAULT_CONTEXT_LEN) -> None:
         self.runner = runner
         self.context_len = int(context_len)
+
+    @contextlib.contextmanager
+    def _distinct_blocks(self, num_reqs: int, seq_len: int) -> Iterator[None]:
+        runner = self.runner
+        try:
+            table = runner.input_batch.block_table[0]
+            num_blocks = int(runner.kv_cache_config.num_blocks)
+            rows = table.block_table.np
+        except (AttributeError, IndexError, TypeError):  # a runner without a paged cache: as vLLM sets it
+            yield
+            return
+        per_req = min(-(-seq_len // int(table.block_size)), rows.shape[1])
+        saved = rows[:num_reqs, :per_req].copy()
+        # block 0 is vLLM's null block; wrap around the pool when the requests need more blocks than it has
+        ids = 1 + np.arange(num_reqs * per_req) % max(num_blocks - 1, 1)
+        rows[:num_reqs, :per_req] = ids.reshape(num_reqs, per_req)
+        try:
+            yield
+        finally:
+            rows[:num_reqs, :per_req] = saved
 
     def __call__(self, num_tokens: int, num_reqs: int = 1) -> float:
         import torch
@@ -110,13 +138,14 @@ class StepDriver:
         query_len = num_tokens // num_reqs
         saved = runner.uniform_decode_query_len
         runner.uniform_decode_query_len = query_len  # _dummy_run's per-request query length for uniform batches
+        seq_len = max(self.context_len, query_len)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._distinct_blocks(num_reqs, seq_len):
                 runner._sync_device()
                 started = time.perf_counter()
                 hidden, _ = runner._dummy_run(num_tokens, force_attention=True, uniform_decode=True,
                                               skip_eplb=True, remove_lora=False,
-                                              profile_seq_lens=max(self.context_len, query_len))
+                                              profile_seq_lens=seq_len)
                 logits = runner.model.compute_logits(hidden[:num_tokens])
                 if logits is not None:
                     logits.argmax(dim=-1)
@@ -203,6 +232,13 @@ def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out
     timed = time_rounds(StepDriver(runner, context_len), list(dict.fromkeys(points + extra)), repeats, budget_s,
                         stop_ratio, keep=[(1, 1), *extra])
     apart = set(extra) - set(points)
+    long_context = min(LONG_CONTEXT_FACTOR * context_len, int(runner.max_model_len))
+    longer: list[StepSample] = []
+    if long_context >= 2 * context_len:
+        max_tokens = int(runner.max_num_tokens)
+        longer = [StepSample(s.num_tokens, s.num_reqs, s.seconds, long_context) for s in
+                  time_rounds(StepDriver(runner, long_context), [p for p in LONG_CONTEXT_POINTS if p[0] <= max_tokens],
+                              repeats, budget_s, stop_ratio, keep=[(1, 1)])]
     drafters = {}
     drafter = getattr(runner, "drafter", None)
     probe = getattr(drafter, "cost_probe", None)
@@ -214,8 +250,8 @@ def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out
     logger.info("vllm_treespec: measured the step-cost curve in %.1f s (%d timed steps)",
                 time.perf_counter() - started, len(timed))
     record = CostRecord(format_version=FORMAT_VERSION, key=cost_key(runner),
-                        samples=[s for s in timed if (s.num_tokens, s.num_reqs) not in apart], drafters=drafters,
-                        measured_at=time.time())
+                        samples=[s for s in timed if (s.num_tokens, s.num_reqs) not in apart] + longer,
+                        drafters=drafters, measured_at=time.time(), context_len=int(context_len))
     return record, [s for s in timed if (s.num_tokens, s.num_reqs) in apart]
 
 
@@ -256,13 +292,31 @@ def measure_worker(worker: Any, points: Sequence[Sequence[int]] | None = None, h
 
 
 def relative_errors(model: StepCostModel, samples: Iterable[StepSample]) -> list[tuple[int, int, float, float, float]]:
-    """(tokens, requests, measured median s, predicted s, relative error) per held-out point."""
+    """(tokens, requests, measured median s, predicted s, relative error) per point timed at the model's reference
+    context (the sweep's; :func:`context_errors` for the others)."""
     groups: dict[tuple[int, int], list[float]] = {}
     for s in samples:
-        groups.setdefault((s.num_tokens, s.num_reqs), []).append(s.seconds)
+        if s.context_len in (0, model.reference_context):
+            groups.setdefault((s.num_tokens, s.num_reqs), []).append(s.seconds)
     rows = []
     for (t, r), times in sorted(groups.items()):
         measured = float(np.median(times))
         predicted = model.predict(t, r)
         rows.append((t, r, measured, predicted, (predicted - measured) / measured if measured > 0 else math.nan))
+    return rows
+
+
+def context_errors(model: StepCostModel, samples: Iterable[StepSample]
+                   ) -> list[tuple[int, int, int, float, float, float]]:
+    """(tokens, requests, context, measured median s, predicted s, relative error) per point timed at another
+    context than the model's reference: how well the context term predicts them."""
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for s in samples:
+        if s.context_len not in (0, model.reference_context):
+            groups.setdefault((s.num_tokens, s.num_reqs, s.context_len), []).append(s.seconds)
+    rows = []
+    for (t, r, c), times in sorted(groups.items()):
+        measured = float(np.median(times))
+        predicted = model.predict(t, r, t * (c - model.reference_context))
+        rows.append((t, r, c, measured, predicted, (predicted - measured) / measured if measured > 0 else math.nan))
     return rows

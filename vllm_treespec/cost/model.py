@@ -1,6 +1,6 @@
 """The step-cost model: seconds per forward step as a function of the tokens in the step and the requests sharing it.
 
-    t(T, R) = f(T) + c * (R - 1),  then times an online correction g(T)
+    t(T, R, E) = f(T) + c * (R - 1) + a * E,  then times an online correction g(T)
 
 * ``f`` is piecewise linear through the median time at each measured token count (the knots), flat below the
   first knot and extended beyond the last with the last segment's slope. It is not forced to be monotone: on CPUs
@@ -9,6 +9,11 @@
   (isotonic regression) instead;
 * ``c >= 0`` is a per-request term (attention and bookkeeping per sequence), a least-squares fit of the multi-request
   samples' residuals;
+* ``a * E`` prices the context: every row of a step attends to its request's whole sequence, so a row costs more
+  the longer that sequence is (on one CPU thread a 32-token step took 7x a plain step at 1,900 tokens of context,
+  against 2.3x at 256). ``E`` is the step's rows times their sequence lengths beyond the sweep's context
+  (:func:`context_excess`; 0 at the sweep's own context), and ``a >= 0`` a least-squares fit of the residuals of
+  samples timed at a longer context;
 * ``g`` is learnt from the engine's own step times (:meth:`StepCostModel.observe`): an exponentially weighted mean of
   log(observed / predicted) per power-of-two token bucket, interpolated in log2(T) between the buckets seen so far,
   so that drift, other load and costs the sweep cannot see (the tree-attention path) are followed.
@@ -36,8 +41,11 @@ from vllm_treespec.settings import default_cache_dir
 
 logger = logging.getLogger("vllm.treespec")
 
-#: bump when the meaning of a cached record changes; records of other versions are foreign
-FORMAT_VERSION = 1
+#: bump when the meaning of a cached record changes; records of other versions are foreign (2: samples at a longer
+#: context, the context term)
+FORMAT_VERSION = 2
+#: the sequence length of the sweep's timed requests (its curve f holds rows attending to this many positions)
+DEFAULT_CONTEXT_LEN = 256
 CACHE_SUBDIR = "cost_models"
 DEFAULT_ALPHA = 0.1
 #: one observation counts as at most this factor off the bucket's current correction (a GC pause is not a trend)
@@ -48,11 +56,19 @@ MIN_CACHED_POINTS = 4
 
 
 class StepSample(msgspec.Struct, frozen=True):
-    """One timed step: ``num_tokens`` tokens of ``num_reqs`` requests took ``seconds``."""
+    """One timed step: ``num_tokens`` tokens of ``num_reqs`` requests took ``seconds``; ``context_len``: the
+    sequence length of its requests, 0 for the sweep's own (the record's ``context_len``)."""
 
     num_tokens: int
     num_reqs: int
     seconds: float
+    context_len: int = 0
+
+
+def context_excess(rows: np.ndarray | float, seq_lens: np.ndarray | float, reference: int) -> float:
+    """The context term's ``E`` of a step: each request's rows times how far its sequence length at the end of the
+    step is beyond ``reference`` (the sweep's context), summed (negative below it: shorter rows cost less)."""
+    return float(np.sum(np.asarray(rows, np.float64) * (np.asarray(seq_lens, np.float64) - reference)))
 
 
 def isotonic(y: Sequence[float], weights: Sequence[float] | None = None) -> np.ndarray:
@@ -159,16 +175,21 @@ def _medians(samples: Iterable[StepSample]) -> dict[tuple[int, int], tuple[float
 class StepCostModel:
     """Predicted seconds of a forward step; see the module docstring for the form."""
 
-    def __init__(self, curve: PiecewiseLinear, per_request: float = 0.0, alpha: float = DEFAULT_ALPHA) -> None:
+    def __init__(self, curve: PiecewiseLinear, per_request: float = 0.0, alpha: float = DEFAULT_ALPHA,
+                 per_context: float = 0.0, reference_context: int = DEFAULT_CONTEXT_LEN) -> None:
         self.curve = curve
         self.per_request = max(float(per_request), 0.0)
+        self.per_context = max(float(per_context), 0.0)  # a: seconds per row and position of context beyond
+        self.reference_context = int(reference_context)
         self.correction = OnlineCorrection(alpha)
 
     @classmethod
-    def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA, monotone: bool = False
-            ) -> StepCostModel:
-        """Knots from the single-request samples (median per token count), the per-request term from the others."""
-        medians = _medians(samples)
+    def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA, monotone: bool = False,
+            reference_context: int = DEFAULT_CONTEXT_LEN) -> StepCostModel:
+        """Knots from the single-request samples at the sweep's context (median per token count), the per-request
+        term from the other samples there, the context term from the samples at other contexts."""
+        samples = list(samples)
+        medians = _medians(s for s in samples if s.context_len in (0, reference_context))
         single = sorted((t, m, n) for (t, r), (m, n) in medians.items() if r == 1)
         if not single:
             raise ValueError("a step-cost fit needs timed single-request steps")
@@ -180,20 +201,33 @@ class StepCostModel:
             extra = np.array([r - 1 for _, r, _ in multi], np.float64)
             residual = np.array([m for _, _, m in multi]) - curve(np.array([t for t, _, _ in multi], np.float64))
             per_request = float(max(np.dot(extra, residual) / np.dot(extra, extra), 0.0))
-        return cls(curve, per_request, alpha)
+        model = cls(curve, per_request, alpha, 0.0, reference_context)
+        longer = [(t, r, c, m) for c in sorted({s.context_len for s in samples} - {0, reference_context})
+                  for (t, r), (m, _) in _medians(s for s in samples if s.context_len == c).items()]
+        if longer:
+            excess = np.array([t * (c - reference_context) for t, _, c, _ in longer], np.float64)
+            residual = np.array([m - float(model.base(t, r)) for t, r, _, m in longer])
+            model.per_context = float(max(np.dot(excess, residual) / np.dot(excess, excess), 0.0))
+        return model
 
     # --- prediction ----------------------------------------------------------------------------------------------
-    def base(self, num_tokens: float | np.ndarray, num_reqs: int = 1) -> np.ndarray:
-        """The fitted curve without the online correction."""
-        return self.curve(num_tokens) + self.per_request * max(int(num_reqs) - 1, 0)
+    def base(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0
+             ) -> np.ndarray:
+        """The fitted curve without the online correction (``excess``: the context term's E, see the module)."""
+        seconds = self.curve(num_tokens) + self.per_request * max(int(num_reqs) - 1, 0)
+        if self.per_context:
+            seconds = np.maximum(seconds + self.per_context * np.asarray(excess, np.float64), 0.5 * seconds)
+        return seconds
 
-    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1) -> np.ndarray:
+    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0
+                     ) -> np.ndarray:
         tokens = np.asarray(num_tokens, np.float64)
-        return self.base(tokens, num_reqs) * self.correction.factor(tokens)
+        return self.base(tokens, num_reqs, excess) * self.correction.factor(tokens)
 
-    def predict(self, num_tokens: float, num_reqs: int = 1) -> float:
-        """Seconds of a step with ``num_tokens`` tokens from ``num_reqs`` requests."""
-        return float(self.predict_many(num_tokens, num_reqs))
+    def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0) -> float:
+        """Seconds of a step with ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term's
+        E, :func:`context_excess`)."""
+        return float(self.predict_many(num_tokens, num_reqs, excess))
 
     def marginal(self, num_tokens: float, num_reqs: int = 1, extra: int = 1) -> float:
         """Seconds added by ``extra`` more tokens in a step that has ``num_tokens`` (per added token if extra > 1:
@@ -201,9 +235,9 @@ class StepCostModel:
         return (self.predict(num_tokens + extra, num_reqs) - self.predict(num_tokens, num_reqs)) / extra
 
     # --- online refinement -----------------------------------------------------------------------------------------
-    def observe(self, num_tokens: int, num_reqs: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0) -> None:
         """Fold one observed step time into the correction of its token bucket."""
-        base = float(self.base(num_tokens, num_reqs))
+        base = float(self.base(num_tokens, num_reqs, excess))
         if base > 0:
             self.correction.observe(num_tokens, seconds / base)
 
@@ -270,13 +304,14 @@ class CostRecord(msgspec.Struct, forbid_unknown_fields=True):
     samples: list[StepSample]
     drafters: dict[str, list[StepSample]] = {}
     measured_at: float = 0.0
+    context_len: int = DEFAULT_CONTEXT_LEN  # the sequence length of the samples whose context_len is 0
 
     def step_model(self, alpha: float = DEFAULT_ALPHA) -> StepCostModel:
-        return StepCostModel.fit(self.samples, alpha)
+        return StepCostModel.fit(self.samples, alpha, reference_context=self.context_len)
 
     @property
     def single_request_points(self) -> int:
-        return len({s.num_tokens for s in self.samples if s.num_reqs == 1})
+        return len({s.num_tokens for s in self.samples if s.num_reqs == 1 and s.context_len in (0, self.context_len)})
 
 
 def _key_difference(found: CostKey, wanted: CostKey) -> str:

@@ -62,6 +62,18 @@ def format_table(model: Any, samples: Sequence[Any]) -> str:
     return "\n".join(lines)
 
 
+def format_context(model: Any, samples: Sequence[Any]) -> str:
+    """The context term and the points it was fitted on (timed at a longer context than the curve's)."""
+    from vllm_treespec.cost.measure import context_errors
+
+    lines = [f"context term: {model.per_context * 1e6:.3f} ms per row and 1000 positions of context beyond "
+             f"{model.reference_context}"]
+    for t, r, c, measured, predicted, err in context_errors(model, samples):
+        lines.append(f"  {t} tokens x {r} requests at context {c}: {measured * 1e3:.2f} ms measured, "
+                     f"{predicted * 1e3:.2f} ms fitted ({err * 100:+.1f}%)")
+    return "\n".join(lines)
+
+
 def format_held_out(model: Any, samples: Sequence[Any]) -> tuple[str, float]:
     from vllm_treespec.cost.measure import relative_errors
 
@@ -120,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm import LLM
 
     from vllm_treespec.cost.measure import measure_worker
-    from vllm_treespec.cost.model import CostCache, CostRecord, StepCostModel, StepSample
+    from vllm_treespec.cost.model import CostCache, CostRecord, StepSample
 
     llm = LLM(model=model_path, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs, seed=0)
     result = llm.collective_rpc(measure_worker, kwargs=dict(
@@ -129,12 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     held_out = msgspec.convert(result.pop("held_out"), list[StepSample])
     seconds = result.pop("seconds")
     record = msgspec.convert(result, CostRecord)
-    model = StepCostModel.fit(record.samples)
+    model = record.step_model()
     key = record.key
     print(f"step-cost curve: {key.model} {key.dtype} on {key.device}, vLLM {key.vllm_version}, "
           f"{key.torch_threads} torch thread(s), context {args.context_len}; sweep {seconds:.1f} s")
     print(format_table(model, record.samples))
     print(f"per-request term: {model.per_request * 1e3:.3f} ms per extra request")
+    print(format_context(model, record.samples))
     worst = None
     if held_out:
         text, worst = format_held_out(model, held_out)

@@ -14,6 +14,7 @@ import torch
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 from vllm_treespec.attn import plan
 from vllm_treespec.attn.compact import compact_layers
+from vllm_treespec.cost.model import context_excess
 from vllm_treespec.tree import TreeBatch
 from vllm_treespec.verify.accept import (accept, greedy_mask, logits_rows, read_logits, verification_results,
                                          write_chain_form)
@@ -127,8 +128,11 @@ class TreeVerifier:
 
             ctx.kv_cache = build_view(self.runner, self._attention_layers(), num_reqs, sampled_token_ids,
                                       query_start_loc)
+        # a row of a request attends to its whole sequence: the budget prices rows of long requests higher
+        row_excess = (self.budget.step_time.row_excess(input_batch.num_tokens_no_spec[:num_reqs])
+                      if self.budget is not None else None)
         started = time.perf_counter()
-        drafted, drafting = self._draft(ctx)
+        drafted, drafting = self._draft(ctx, row_excess)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
         if drafting:
             # nodes no step can commit (the request ends first) are neither priced nor verified
@@ -142,7 +146,7 @@ class TreeVerifier:
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
             trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing), num_reqs,
-                                      drafted=bool(drafting))
+                                      drafted=bool(drafting), row_excess=row_excess)
             if self.budget.trace is not None:
                 self.budget.trace.plan(factor=ctx.expectation_factor)
         if tracking:
@@ -159,12 +163,16 @@ class TreeVerifier:
         """Learn acceptance rates: the budget weighs nodes by them, a proposer with named sources ranks by them."""
         return self.budget is not None or bool(getattr(self.proposer, "acceptance_sources", ()))
 
-    def _draft(self, ctx: ProposeContext) -> tuple[list[DraftTree | None], int]:
+    def _draft(self, ctx: ProposeContext, row_excess: np.ndarray | None = None
+               ) -> tuple[list[DraftTree | None], int]:
         """The proposer's trees, and the requests it drafted for (0 when it was not called); no trees at all when
-        the budget's gate says drafting would not pay (then the proposer only observes the step)."""
+        the budget's gate says drafting would not pay (then the proposer only observes the step).
+        ``row_excess``: per request, the context term of one of its rows (:meth:`StepTime.row_excess`)."""
         budget = self.budget
         drafting = sum(ctx.needs_draft(i) for i in range(ctx.num_reqs))
-        if budget is not None and drafting and not budget.should_draft(drafting):
+        if row_excess is not None and drafting:
+            row_excess = row_excess[[i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]]
+        if budget is not None and drafting and not budget.should_draft(drafting, row_excess):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
@@ -178,7 +186,12 @@ class TreeVerifier:
     def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
         started = time.perf_counter()
         if self.budget is not None:
-            self.budget.step_started(int(np.sum(num_scheduled_tokens)), len(num_scheduled_tokens))
+            num_reqs = len(num_scheduled_tokens)
+            excess = 0.0
+            if self.budget.cost.per_context:  # each row attends to its request's sequence up to the step's end
+                seq_lens = self.runner.input_batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens
+                excess = context_excess(num_scheduled_tokens, seq_lens, self.budget.cost.reference_context)
+            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess)
         if self._tracks_acceptance():
             self.acceptance.scheduled(scheduler_output.scheduled_spec_decode_tokens)
         pending, self.pending = self.pending, {}
