@@ -200,6 +200,12 @@ def test_rows_of_long_requests_are_priced_by_their_context():
     # two requests, the same tree: the short one's nodes are admitted, the long one's are not
     both = allocate([star(probs), star(probs)], model, row_excess=np.array([0.0, 4096 - 256]))
     assert both.num_nodes[0] > 0 and both.num_nodes[1] == 0
+    # candidates go best first by gain per second: the long request's nodes come after the short one's of equal
+    # gain, so a budget that pays for only some nodes gives them to the short request
+    long_first = allocate([star(probs), star(probs)], model, row_excess=np.array([1024 - 256, 0.0]))
+    assert long_first.num_nodes[1] >= long_first.num_nodes[0]
+    assert long_first.num_nodes[1] > allocate([star(probs), star(probs)], model, row_excess=np.array(
+        [1024 - 256, 1024 - 256])).num_nodes[1]
     # the gate prices a step of the same rows the same way
     gate = DraftGate(model)
     gate.marginal = np.array(probs)

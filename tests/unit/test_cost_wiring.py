@@ -279,3 +279,23 @@ def test_the_drafters_price_includes_pricing_and_handing_over_its_trees(monkeypa
     verifier.propose([[9], [3], [6]])
     (num_reqs, seconds), = calls
     assert num_reqs == 3 and seconds == pytest.approx(0.001)  # one clock tick: start to after flatten_trees
+
+
+def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():
+    """Every row attends to its request's whole sequence: with a context term, the verifier hands the budget each
+    request's length, so the same tree keeps fewer nodes on a longer request, and each forward is observed with
+    its rows' context."""
+    cheap = lambda t: 0.05 + 0.002 * (t - 1)  # noqa: E731
+    kept = {}
+    for name, per_context in (("no term", 0.0), ("term", 0.006)):
+        verifier = verifier_with(cheap, {"a": SCORED, "b": SCORED})
+        verifier.budget.cost.per_context, verifier.budget.cost.reference_context = per_context, 0
+        drafts = verifier.propose([[9], [3], []])
+        kept[name] = [len(d) for d in drafts[:2]]
+    assert kept["no term"][0] == kept["no term"][1] > 0  # request a has 5 tokens, b 3: alike without the term
+    assert kept["term"] == [0, kept["no term"][1]]  # a's rows (5 positions each) cost too much, b's (3) still pay
+    # the forward of the scheduled step is observed with its rows' context: rows x sequence length at the step's end
+    scheduler_output, num_scheduled = schedule(verifier.runner, {})
+    verifier.attach(scheduler_output, num_scheduled)
+    computed = verifier.runner.input_batch.num_computed_tokens_cpu[:3]
+    assert verifier.budget._excess == pytest.approx(float(np.sum(num_scheduled * (computed + num_scheduled))))

@@ -105,6 +105,15 @@ class Allocation:
         return int(self.num_nodes.sum())
 
 
+def _row_seconds(cost: StepCost, num_reqs: int, base_tokens: int, base_excess: float, row_excess: np.ndarray
+                 ) -> np.ndarray:
+    """Per request, the seconds one more row of it adds to the plain step (at least a microsecond)."""
+    tokens = np.full(row_excess.size + 1, base_tokens + 1, np.float64)
+    tokens[0] = base_tokens
+    seconds = _predict(cost, tokens, num_reqs, base_excess + np.concatenate([[0.0], row_excess]))
+    return np.maximum(seconds[1:] - seconds[0], 1e-6)
+
+
 def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
                 overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
                 explore: bool = False, excess: np.ndarray | None = None) -> tuple[int, float, float, float]:
@@ -172,7 +181,17 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)]) if n else np.zeros(0, np.int64)
     node = np.concatenate([np.arange(p.size) for p in probs]) if n else np.zeros(0, np.int64)
     p_all = np.concatenate(probs) if n else np.zeros(0)
-    order = np.lexsort((node, req, -p_all))  # best first; equal paths: lower request, then parent before child
+    per_request = None if row_excess is None else np.broadcast_to(np.asarray(row_excess, np.float64), (n,))
+    fixed_excess = 0.0 if per_request is None else sum(
+        float(per_request[i]) * min(t.num_nodes, int(caps[i])) for i, t in enumerate(trees)
+        if t is not None and t.node_probs is None)
+    base_excess = 0.0 if per_request is None else float(per_request.sum()) + fixed_excess  # each request's own row
+    # best first by gain per second a node adds (by gain alone when every row costs the same); equal keys: lower
+    # request, then parent before child. Within a request every node costs the same, so the order keeps parents
+    # before children and any prefix is ancestor-closed.
+    value = p_all if per_request is None else p_all / _row_seconds(cost, num_reqs, base_tokens + fixed, base_excess,
+                                                                   per_request)[req]
+    order = np.lexsort((node, req, -value))
     counts = np.zeros(n, np.int64)
     room = np.iinfo(np.int64).max if batch_cap is None else max(int(batch_cap) - fixed, 0)
     candidates = []
@@ -186,11 +205,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     candidates = np.array(candidates, np.int64)
     gains = p_all[candidates] if candidates.size else np.zeros(0)
     excess = None
-    if row_excess is not None:
-        per_request = np.broadcast_to(np.asarray(row_excess, np.float64), (n,))
-        fixed_excess = sum(float(per_request[i]) * min(t.num_nodes, int(caps[i])) for i, t in enumerate(trees)
-                           if t is not None and t.node_probs is None)
-        base_excess = float(per_request.sum()) + fixed_excess  # each request's own row, and trees kept whole
+    if per_request is not None:
         excess = base_excess + np.concatenate([[0.0], np.cumsum(per_request[req[candidates]])])
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
                                               min_gain, max_extra_seconds, explore, excess)
