@@ -3,6 +3,7 @@ probe, the dummy-step driver on a stand-in runner, and the cost-model CLI's form
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -116,6 +117,22 @@ def test_the_sweep_times_a_few_points_again_at_a_longer_context():
     assert {(s.num_tokens, s.num_reqs, s.context_len) for s in longer} == {(1, 1, 512), (8, 1, 512), (16, 1, 512)}
     assert {kw["profile_seq_lens"] for _, _, kw in runner.runs} == {64, 512}
     assert record.step_model().reference_context == 64
+
+
+def test_a_sweep_whose_long_context_steps_fail_keeps_its_curve(caplog):
+    runner = FakeRunner()
+    dummy_run = runner._dummy_run
+
+    def failing_when_long(num_tokens, **kwargs):
+        if kwargs["profile_seq_lens"] > 64:
+            raise RuntimeError("no such context here")
+        return dummy_run(num_tokens, **kwargs)
+
+    runner._dummy_run = failing_when_long
+    with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
+        record, _ = sweep(runner, points=[(1, 1), (2, 1), (8, 1)], repeats=1, context_len=64, budget_s=5.0)
+    assert {s.context_len for s in record.samples} == {0} and record.step_model().per_context == 0.0
+    assert "512 tokens of context" in caplog.text and "no such context here" in caplog.text
 
 
 def test_default_points_respect_the_runner_limits():

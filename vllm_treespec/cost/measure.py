@@ -232,13 +232,7 @@ def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out
     timed = time_rounds(StepDriver(runner, context_len), list(dict.fromkeys(points + extra)), repeats, budget_s,
                         stop_ratio, keep=[(1, 1), *extra])
     apart = set(extra) - set(points)
-    long_context = min(LONG_CONTEXT_FACTOR * context_len, int(runner.max_model_len))
-    longer: list[StepSample] = []
-    if long_context >= 2 * context_len:
-        max_tokens = int(runner.max_num_tokens)
-        longer = [StepSample(s.num_tokens, s.num_reqs, s.seconds, long_context) for s in
-                  time_rounds(StepDriver(runner, long_context), [p for p in LONG_CONTEXT_POINTS if p[0] <= max_tokens],
-                              repeats, budget_s, stop_ratio, keep=[(1, 1)])]
+    longer = _long_context_samples(runner, context_len, repeats, budget_s, stop_ratio)
     drafters = {}
     drafter = getattr(runner, "drafter", None)
     probe = getattr(drafter, "cost_probe", None)
@@ -253,6 +247,25 @@ def sweep(runner: Any, points: Sequence[tuple[int, int]] | None = None, held_out
                         samples=[s for s in timed if (s.num_tokens, s.num_reqs) not in apart] + longer,
                         drafters=drafters, measured_at=time.time(), context_len=int(context_len))
     return record, [s for s in timed if (s.num_tokens, s.num_reqs) in apart]
+
+
+def _long_context_samples(runner: Any, context_len: int, repeats: int, budget_s: float, stop_ratio: float
+                          ) -> list[StepSample]:
+    """The context term's samples: :data:`LONG_CONTEXT_POINTS` at ``LONG_CONTEXT_FACTOR`` times ``context_len`` (or
+    the engine's longest, if at least twice it). None when the engine is shorter, or (one log line) when its dummy
+    steps fail there: the curve is then fitted without the term, as before it existed."""
+    long_context = min(LONG_CONTEXT_FACTOR * context_len, int(runner.max_model_len))
+    if long_context < 2 * context_len:
+        return []
+    max_tokens = int(runner.max_num_tokens)
+    try:
+        timed = time_rounds(StepDriver(runner, long_context), [p for p in LONG_CONTEXT_POINTS if p[0] <= max_tokens],
+                            repeats, budget_s, stop_ratio, keep=[(1, 1)])
+    except Exception as e:  # noqa: BLE001 - the context term refines the curve; it must not cost the engine its budget
+        logger.warning("vllm_treespec: could not time steps at %d tokens of context (%s: %s); the step-cost curve "
+                       "has no context term", long_context, type(e).__name__, e)
+        return []
+    return [StepSample(s.num_tokens, s.num_reqs, s.seconds, long_context) for s in timed]
 
 
 def spot_check(run: Callable[[int, int], float], record: CostRecord,
