@@ -10,8 +10,8 @@
 * ``c >= 0`` is a per-request term (attention and bookkeeping per sequence), a least-squares fit of the multi-request
   samples' residuals;
 * ``a * E`` prices the context: every row of a step attends to its request's whole sequence, so a row costs more
-  the longer that sequence is (on one CPU thread a 32-token step took 7x a plain step at 1,900 tokens of context,
-  against 2.3x at 256). ``E`` is the step's rows times their sequence lengths beyond the sweep's context
+  the longer that sequence is (on one AVX2 thread, fp32, SmolLM2-135M: a 32-token step took ~7x a plain step at
+  1,900 tokens of context, ~3.7x at 256). ``E`` is the step's rows times their sequence lengths beyond the sweep's context
   (:func:`context_excess`; 0 at the sweep's own context), and ``a >= 0`` a least-squares fit of the residuals of
   samples timed at a longer context;
 * ``g`` is learnt from the engine's own step times (:meth:`StepCostModel.observe`): an exponentially weighted mean of
