@@ -117,22 +117,10 @@ def run_child(args: argparse.Namespace) -> None:
         print(f"  {key:42s} {totals[key] / steps * 1e3:8.3f} ms per step  ({calls[key]} calls)")
 
 
-def parse_methods(text: str) -> list[tuple[str, str]]:
-    """'none;graft:{...}' -> [(label, speculative-config JSON or 'null')]."""
-    methods = []
-    for item in filter(None, (part.strip() for part in text.split(";"))):
-        name, _, options = item.partition(":")
-        if name == "none":
-            methods.append((name, "null"))
-            continue
-        config = {"method": name, **(json.loads(options) if options else {})}
-        methods.append((item, json.dumps(config)))
-    return methods
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--methods", default="none;graft", help="';'-separated: none, or METHOD[:{json options}]")
+    parser.add_argument("--methods", default="none;graft",
+                        help="as vllm-treespec bench takes them: [LABEL=]METHOD[:JSON];... (no speculation runs too)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", default="sharegpt[1000:1002]",
                         help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 1000-1001, held out)")
@@ -147,10 +135,13 @@ def main() -> int:
     if args.child is not None:
         run_child(args)
         return 0
-    for label, config in parse_methods(args.methods):
-        print(f"== {label} ({args.dtype})", flush=True)
-        command = [sys.executable, __file__, "--child", config, "--dtype", args.dtype, "--prompts", args.prompts,
-                   "--max-tokens", str(args.max_tokens)] + (["--model", args.model] if args.model else [])
+    from vllm_treespec.tools.bench import parse_methods
+
+    for spec in parse_methods(args.methods):
+        print(f"== {spec.label} ({args.dtype})", flush=True)
+        command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()), "--dtype", args.dtype,
+                   "--prompts", args.prompts, "--max-tokens", str(args.max_tokens)] + (
+                       ["--model", args.model] if args.model else [])
         result = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
         print("\n".join(lines) if lines else result.stderr[-3000:], flush=True)

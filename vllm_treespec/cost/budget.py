@@ -94,7 +94,6 @@ class StepBudget:
         self._previous: tuple[float, int, int, float | None] | None = None  # start, tokens, requests, forward s
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
-        self._previous_excess = 0.0
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
                       "probes": 0, "observed_steps": 0}
         self.trace = BudgetTrace.from_env()
@@ -190,13 +189,13 @@ class StepBudget:
         if self._previous is not None:
             started, tokens, reqs, forward = self._previous
             if forward is None:  # not timed (an asynchronous device): the model's prediction
-                forward = self.cost.predict(tokens, reqs, self._previous_excess)
+                forward = self.cost.predict(tokens, reqs, self._excess)
             host = now - started - forward - self._cycle_other
             if host <= MAX_HOST_SECONDS:
                 self.step_time.host.add(max(host, 0.0))
         self._cycle_other = 0.0
         self._step = (int(num_tokens), int(num_reqs), now)
-        self._excess = self._previous_excess = float(excess)
+        self._excess = float(excess)
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3)

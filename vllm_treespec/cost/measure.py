@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 
 from vllm_treespec.cost.model import (DEFAULT_CONTEXT_LEN, FORMAT_VERSION, CostCache, CostKey, CostRecord,
-                                      StepCostModel, StepSample, load_or_measure)
+                                      StepCostModel, StepSample, context_excess, load_or_measure)
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -307,29 +307,28 @@ def measure_worker(worker: Any, points: Sequence[Sequence[int]] | None = None, h
 def relative_errors(model: StepCostModel, samples: Iterable[StepSample]) -> list[tuple[int, int, float, float, float]]:
     """(tokens, requests, measured median s, predicted s, relative error) per point timed at the model's reference
     context (the sweep's; :func:`context_errors` for the others)."""
-    groups: dict[tuple[int, int], list[float]] = {}
-    for s in samples:
-        if s.context_len in (0, model.reference_context):
-            groups.setdefault((s.num_tokens, s.num_reqs), []).append(s.seconds)
-    rows = []
-    for (t, r), times in sorted(groups.items()):
-        measured = float(np.median(times))
-        predicted = model.predict(t, r)
-        rows.append((t, r, measured, predicted, (predicted - measured) / measured if measured > 0 else math.nan))
-    return rows
+    return [(t, r, measured, predicted, err) for t, r, _, measured, predicted, err in _errors(model, samples, True)]
 
 
 def context_errors(model: StepCostModel, samples: Iterable[StepSample]
                    ) -> list[tuple[int, int, int, float, float, float]]:
     """(tokens, requests, context, measured median s, predicted s, relative error) per point timed at another
     context than the model's reference: how well the context term predicts them."""
+    return _errors(model, samples, False)
+
+
+def _errors(model: StepCostModel, samples: Iterable[StepSample], at_reference: bool
+            ) -> list[tuple[int, int, int, float, float, float]]:
+    """Per (tokens, requests, context) point at the model's reference context (or at the others): the measured
+    median, the prediction (with the point's context term) and the relative error."""
     groups: dict[tuple[int, int, int], list[float]] = {}
     for s in samples:
-        if s.context_len not in (0, model.reference_context):
-            groups.setdefault((s.num_tokens, s.num_reqs, s.context_len), []).append(s.seconds)
+        context = model.reference_context if s.context_len == 0 else s.context_len
+        if (context == model.reference_context) == at_reference:
+            groups.setdefault((s.num_tokens, s.num_reqs, context), []).append(s.seconds)
     rows = []
     for (t, r, c), times in sorted(groups.items()):
         measured = float(np.median(times))
-        predicted = model.predict(t, r, t * (c - model.reference_context))
+        predicted = model.predict(t, r, context_excess(t, c, model.reference_context))
         rows.append((t, r, c, measured, predicted, (predicted - measured) / measured if measured > 0 else math.nan))
     return rows

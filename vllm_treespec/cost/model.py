@@ -205,7 +205,7 @@ class StepCostModel:
         longer = [(t, r, c, m) for c in sorted({s.context_len for s in samples} - {0, reference_context})
                   for (t, r), (m, _) in _medians(s for s in samples if s.context_len == c).items()]
         if longer:
-            excess = np.array([t * (c - reference_context) for t, _, c, _ in longer], np.float64)
+            excess = np.array([context_excess(t, c, reference_context) for t, _, c, _ in longer], np.float64)
             residual = np.array([m - float(model.base(t, r)) for t, r, _, m in longer])
             model.per_context = float(max(np.dot(excess, residual) / np.dot(excess, excess), 0.0))
         return model

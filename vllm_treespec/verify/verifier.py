@@ -169,10 +169,10 @@ class TreeVerifier:
         the budget's gate says drafting would not pay (then the proposer only observes the step).
         ``row_excess``: per request, the context term of one of its rows (:meth:`StepTime.row_excess`)."""
         budget = self.budget
-        drafting = sum(ctx.needs_draft(i) for i in range(ctx.num_reqs))
-        if row_excess is not None and drafting:
-            row_excess = row_excess[[i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]]
-        if budget is not None and drafting and not budget.should_draft(drafting, row_excess):
+        rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
+        drafting = len(rows)
+        if budget is not None and drafting and not budget.should_draft(
+                drafting, None if row_excess is None else row_excess[rows]):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
