@@ -65,7 +65,9 @@ def paged_kv(num_reqs: int, seq_len: int, kv_heads: int, head_dim: int, block_si
     key_cache = keys.view(num_reqs * blocks, block_size, kv_heads, head_dim)
     value_cache = values.view(num_reqs * blocks, block_size, kv_heads, head_dim)
     if shuffle:
-        order = torch.randperm(num_reqs * blocks, generator=generator, device="cpu").to(device)
+        # randperm draws on the host: a CUDA generator cannot drive it
+        host = torch.Generator().manual_seed(generator.initial_seed())
+        order = torch.randperm(num_reqs * blocks, generator=host).to(device)
         key_cache, value_cache = torch.empty_like(key_cache), torch.empty_like(value_cache)
         key_cache[order.long()] = keys.view_as(key_cache)
         value_cache[order.long()] = values.view_as(value_cache)
