@@ -4,7 +4,8 @@ Standalone: torch + triton + numpy, no vLLM (the GPU machine has none); it impor
 ``vllm_treespec.attn.triton_tree`` from this checkout. Three timings per shape, at equal tokens per request
 (``rows`` query rows over ``context + rows`` keys, Llama-3-8B heads: 32 query / 8 KV heads, head_dim 128):
 
-- tree:  the Triton kernel over the paged cache with random trees (ancestor bitmasks);
+- tree:  the Triton kernel over the paged cache with random trees (ancestor bitmasks), its context split over as many
+         programs as ``choose_num_splits`` picks for the GPU, and again with one split (no split-KV);
 - chain: the same kernel with chain masks (row j sees rows 0..j);
 - sdpa:  torch ``scaled_dot_product_attention``, causal aligned bottom-right, over a contiguous (not paged) KV of
          the same bytes: what FlashAttention costs for a chain of the same length.
@@ -164,9 +165,9 @@ def sdpa_chain(query_bhwd, keys, values, rows):
 def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim, block_size, dtype, iters) -> None:
     print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (interpreter)'}, {dtype}, "
           f"{heads} query / {kv_heads} KV heads, head_dim {head_dim}, block {block_size}; µs per layer (median)")
-    print("| requests | context | rows | tree µs | chain-mask µs | sdpa causal µs | sdpa kernel | tree / sdpa "
-          "| plan build µs (host) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| requests | context | rows | splits | tree µs | tree, 1 split µs | chain-mask µs | sdpa causal µs "
+          "| sdpa kernel | tree / sdpa | plan build µs (host) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     scale = head_dim ** -0.5
     for num_reqs in requests:
         for context in contexts:
@@ -179,20 +180,25 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                 query = torch.randn(num_reqs * rows, heads, head_dim, generator=generator, device=device).to(dtype)
                 rows_per_tile = tt.rows_per_tile_for(heads // kv_heads)[0]
                 timings = []
-                for chain in (False, True):
+                for chain, splits in ((False, None), (False, 1), (True, None)):
                     batch = make_batch(rng, num_reqs, context, rows, chain)
                     plan = tt.build_kernel_plan(batch, rows_per_tile, device)
                     output = torch.empty_like(query)
                     timings.append(timed_us(lambda: tt.tree_attention(query, key_cache, value_cache, table, plan,
-                                                                      scale, output=output), device, iters))
+                                                                      scale, output=output, num_splits=splits),
+                                            device, iters))
+                chosen = tt.choose_num_splits(plan.tile_request.shape[0] * kv_heads, context,
+                                              torch.cuda.get_device_properties(device).multi_processor_count
+                                              ) if device.type == "cuda" else 1
                 query_bhwd = query.view(num_reqs, rows, heads, head_dim).transpose(1, 2)
                 sdpa_call, sdpa_label = sdpa_chain(query_bhwd, keys, values, rows)
                 timings.append(timed_us(sdpa_call, device, iters))
                 batch = make_batch(rng, num_reqs, context, rows, False)
                 plan_us = timed_us(lambda: tt.build_kernel_plan(batch, rows_per_tile, device), torch.device("cpu"),
                                    iters)
-                print(f"| {num_reqs} | {context} | {rows} | {timings[0]:.1f} | {timings[1]:.1f} | {timings[2]:.1f} | "
-                      f"{sdpa_label} | {timings[0] / timings[2]:.2f} | {plan_us:.1f} |")
+                print(f"| {num_reqs} | {context} | {rows} | {chosen} | {timings[0]:.1f} | {timings[1]:.1f} | "
+                      f"{timings[2]:.1f} | {timings[3]:.1f} | {sdpa_label} | {timings[0] / timings[3]:.2f} | "
+                      f"{plan_us:.1f} |")
                 del keys, values, key_cache, value_cache
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -222,7 +228,7 @@ def main() -> None:
         requests, contexts, row_counts, iters = [1, 2], [32], [4, 8], 2
     else:
         heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
-        correctness_shapes = [(3, 100, 17), (2, 600, 64), (1, 4096, 33)]
+        correctness_shapes = [(3, 100, 17), (2, 600, 64), (1, 4096, 33), (1, 32768, 17)]
         requests, contexts, row_counts, iters = ints(args.requests), ints(args.contexts), ints(args.rows), args.iters
     ok = check_correctness(tt, device, correctness_shapes, heads, kv_heads, head_dim, block_size)
     sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim, block_size,

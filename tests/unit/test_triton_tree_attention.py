@@ -35,7 +35,14 @@ KERNEL_CASES = {
     "chains_fp32": ("float32", "flash", 4, 2, 32, 16, [(45, 8, "chain"), (12, 16, "chain")]),
     "random_fp16_gqa4": ("float16", "flash", 4, 2, 32, 16, [(60, 13, "random"), (20, 6, "chain")]),
     "random_fp16_gqa8_nhd": ("float16", "nhd", 8, 1, 64, 16, [(33, 11, "random")]),
+    # split-KV (SPLITS): contexts longer and shorter than the splits, none at all, two ancestor words
+    "split4_fp32_gqa4_nhd": ("float32", "nhd", 4, 2, 32, 16, [(200, 9, "random"), (3, 5, "random"),
+                                                              (0, 4, "chain")]),
+    "split3_fp32_two_words": ("float32", "flash", 1, 1, 16, 16, [(130, 70, "random")]),
+    "split7_fp16_gqa8_flash": ("float16", "flash", 8, 1, 32, 16, [(150, 20, "random"), (64, 1, "random")]),
 }
+#: cases run with the context split over this many programs (the rest: one, as on CPU by default)
+SPLITS = {"split4_fp32_gqa4_nhd": 4, "split3_fp32_two_words": 3, "split7_fp16_gqa8_flash": 7}
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 SENTINEL = 7.0
 
@@ -129,7 +136,7 @@ def run_kernel_case(name: str) -> dict:
     kernel_plan = build_kernel_plan(case.batch, rows_per_tile_for(case.group)[0])
     output = torch.full_like(case.query, SENTINEL)
     output, lse = tree_attention(case.query, case.key_cache, case.value_cache, case.block_table, kernel_plan,
-                                 case.scale, output=output)
+                                 case.scale, output=output, num_splits=SPLITS.get(name))
     return compare(case, output, lse)
 
 
@@ -209,6 +216,20 @@ def test_tree_kernel_matches_reference(interpreter_results, name):
     assert result["output_error"] <= tolerance, result
     assert result["lse_error"] <= tolerance, result
     assert result["others_untouched"], result
+
+
+def test_split_kv_fills_the_device_only_where_the_programs_are_too_few():
+    from vllm_treespec.attn.triton_tree import MAX_SPLITS, MIN_KEYS_PER_SPLIT, choose_num_splits
+
+    # one request, 8 KV heads, 4k context on 132 multiprocessors: 33 splits wanted, 8 of 512 keys allowed
+    assert choose_num_splits(8, 4096, 132) == 4096 // MIN_KEYS_PER_SPLIT == 8
+    assert choose_num_splits(8, 32768, 132) == 33
+    assert choose_num_splits(64, 32768, 132) == 5  # eight requests
+    assert choose_num_splits(1, 1 << 20, 132) == MAX_SPLITS
+    # a program per multiprocessor already, or a context too short to split
+    assert choose_num_splits(132, 32768, 132) == 1
+    assert choose_num_splits(8, 1000, 132) == 1
+    assert choose_num_splits(8, 0, 132) == 1
 
 
 def test_flash_impl_overwrites_only_tree_rows(interpreter_results):

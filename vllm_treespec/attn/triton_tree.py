@@ -6,7 +6,9 @@ the tree positions ``C_r + i`` of its ancestors-or-self i, given per row as an a
 word i // 32), so memory grows with ``W^2 / 32`` per request instead of a dense ``[rows x context]`` mask.
 
 One program handles one tile of consecutive tree rows of one request for one KV head, with all the query heads that
-share that KV head packed into the tile's M dimension (GQA), so each K/V block is read once per tile. The cache is
+share that KV head packed into the tile's M dimension (GQA), so each K/V block is read once per tile. Where those
+programs are too few to fill the GPU (one request, long context), the committed context is split over several
+programs whose partial results are merged by their log-sum-exp (split-KV, :func:`choose_num_splits`). The cache is
 read through the strides of the logical ``[num_blocks, block_size, num_kv_heads, head_dim]`` views of K and V: any
 physical layout that can be viewed that way works. Softmax and accumulation are fp32; the kernel also returns the
 natural-log log-sum-exp of every (row, head).
@@ -18,6 +20,7 @@ is first imported.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,12 @@ import triton.language as tl
 BITS_PER_WORD = 32
 DEFAULT_TILE_M = 64  # query (row, head) pairs per program
 DEFAULT_BLOCK_N = 64  # keys per inner step
+#: split-KV: programs wanted per streaming multiprocessor, fewest context keys a split reads, most splits. Measured on
+#: an H200 (docs/gpu.md): splits of 256 keys of a 512-token context cost more (a second launch) than they saved, and
+#: a grid of at least one program per multiprocessor gained little or lost from splitting
+PROGRAMS_PER_SM = 2
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
 
@@ -69,16 +78,20 @@ def _tree_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, output_ptr, lse_ptr,
     row_query_index_ptr, ancestor_words_ptr, request_context_len_ptr, request_block_row_ptr,
     request_row_start_ptr, request_num_rows_ptr, tile_request_ptr, tile_first_row_ptr,
-    scale_log2, block_size,
+    partial_out_ptr, partial_lse_ptr,
+    scale_log2, block_size, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_ot, stride_oh, stride_od, stride_lr, stride_lh, stride_aw,
+    stride_ps, stride_pr, stride_ph, stride_pd, stride_pls, stride_plr, stride_plh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     request = tl.load(tile_request_ptr + tile)
     first_row = tl.load(tile_first_row_ptr + tile)
     context_len = tl.load(request_context_len_ptr + request)
@@ -106,18 +119,22 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
 
-    # Committed context: visible to every row of the request.
-    for start in range(0, context_len, BLOCK_N):
+    # Committed context: visible to every row of the request. Split s reads its own whole BLOCK_N chunks of it.
+    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    context_start = split * chunk
+    context_end = tl.minimum(context_start + chunk, context_len)
+    for start in range(context_start, context_end, BLOCK_N):
         positions = start + n
-        key_valid = positions < context_len
+        key_valid = positions < context_end
         visible = row_valid[:, None] & key_valid[None, :]
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr,
                                       positions, key_valid, visible, kv_head, d, d_valid, block_size,
                                       stride_kb, stride_ks, stride_kh, stride_kd,
                                       stride_vb, stride_vs, stride_vh, stride_vd, scale_log2, UPCAST, IEEE_DOT)
 
-    # The tree rows' own K/V: row j sees tree row i iff bit i of its ancestor words is set.
-    for start in range(0, num_rows, BLOCK_N):
+    # The tree rows' own K/V (in the last split): row j sees tree row i iff bit i of its ancestor words is set.
+    tree_end = tl.where(split == num_splits - 1, num_rows, 0)
+    for start in range(0, tree_end, BLOCK_N):
         tree_col = start + n
         col_valid = tree_col < num_rows
         words = tl.load(ancestor_words_ptr + row[:, None].to(tl.int64) * stride_aw + (tree_col // 32)[None, :],
@@ -130,10 +147,44 @@ def _tree_attention_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(output_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
-             out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-    lse = (m_i + tl.log2(l_safe)) / 1.4426950408889634
-    tl.store(lse_ptr + row.to(tl.int64) * stride_lr + head * stride_lh, lse, mask=row_valid)
+    lse = (m_i + tl.log2(l_safe)) / 1.4426950408889634  # a split that saw no key: ~-7e29, weight 0 in the merge
+    if SPLIT:
+        row64 = row.to(tl.int64)
+        tl.store(partial_out_ptr + split * stride_ps + row64[:, None] * stride_pr + head[:, None] * stride_ph
+                 + d[None, :] * stride_pd, out, mask=row_valid[:, None] & d_valid[None, :])
+        tl.store(partial_lse_ptr + split * stride_pls + row64 * stride_plr + head * stride_plh, lse, mask=row_valid)
+    else:
+        tl.store(output_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(output_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        tl.store(lse_ptr + row.to(tl.int64) * stride_lr + head * stride_lh, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr, partial_lse_ptr, row_query_index_ptr, output_ptr, lse_ptr, num_splits,
+    stride_ps, stride_pr, stride_ph, stride_pd, stride_pls, stride_plr, stride_plh,
+    stride_ot, stride_oh, stride_od, stride_lr, stride_lh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One (tree row, head): the splits' normalised outputs weighted by exp(lse_s - lse), lse their log-sum-exp."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    lse_s = tl.load(partial_lse_ptr + s * stride_pls + row * stride_plr + head * stride_plh, mask=s_valid,
+                    other=float("-inf"))
+    lse_max = tl.max(lse_s, 0)
+    weight = tl.exp(lse_s - lse_max)
+    total = tl.sum(weight, 0)
+    parts = tl.load(partial_out_ptr + s[:, None] * stride_ps + row * stride_pr + head * stride_ph
+                    + d[None, :] * stride_pd, mask=s_valid[:, None] & d_valid[None, :], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / total
+    token = tl.load(row_query_index_ptr + row).to(tl.int64)
+    tl.store(output_ptr + token * stride_ot + head * stride_oh + d * stride_od, out.to(output_ptr.dtype.element_ty),
+             mask=d_valid)
+    tl.store(lse_ptr + row * stride_lr + head * stride_lh, lse_max + tl.log(total))
 
 
 @dataclass
@@ -154,6 +205,7 @@ class TreeKernelPlan:
     tile_request: torch.Tensor  # [T]
     tile_first_row: torch.Tensor  # [T] first row of the tile within its request
     rows_per_tile: int
+    max_context_len: int = 0  # the longest committed context (host side: split-KV's choice needs it)
 
     @property
     def num_rows(self) -> int:
@@ -198,17 +250,34 @@ def build_kernel_plan(batch: Any, rows_per_tile: int, device: torch.device | str
     return TreeKernelPlan(row_query_index=parts[0], row_request=parts[1], ancestor_words=parts[8].view(words.shape),
                           request_context_len=parts[2], request_block_row=parts[3], request_row_start=parts[4],
                           request_num_rows=parts[5], tile_request=parts[6], tile_first_row=parts[7],
-                          rows_per_tile=rows_per_tile)
+                          rows_per_tile=rows_per_tile,
+                          max_context_len=int(np.max(batch.context_len)) if num_reqs else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_context_len: int, multiprocessors: int) -> int:
+    """Splits of the committed context: enough programs for :data:`PROGRAMS_PER_SM` per multiprocessor, each split
+    reading at least :data:`MIN_KEYS_PER_SPLIT` keys of the longest context, at most :data:`MAX_SPLITS`; 1 when the
+    programs are already one per multiprocessor or more."""
+    if num_programs >= multiprocessors:
+        return 1
+    wanted = -(-PROGRAMS_PER_SM * multiprocessors // max(num_programs, 1))
+    return max(1, min(wanted, max_context_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
 
 
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                    plan: TreeKernelPlan, scale: float, output: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N
+                   lse: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the tree rows' attention into ``output`` (same shape as ``query``; a zero tensor if None).
 
     query / output ``[num_tokens, num_heads, head_dim]``; key_cache / value_cache logical views
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); block_table ``[batch_rows, max_blocks]``.
+    num_splits: splits of the committed context (None: :func:`choose_num_splits` on CUDA, 1 elsewhere).
     Returns (output, lse ``[plan.num_rows, num_heads]`` fp32, natural log). Rows not in the plan are not touched.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -224,16 +293,41 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     on_cpu = query.device.type == "cpu"
     # Triton's interpreter computes bf16/fp16 dots wrongly: upcast there. fp32 dots must not round through TF32.
     upcast = on_cpu or query.dtype == torch.float32
-    grid = (plan.tile_request.shape[0], num_kv_heads)
-    _tree_attention_kernel[grid](
+    num_tiles = plan.tile_request.shape[0]
+    if num_splits is None:
+        num_splits = 1 if query.device.type != "cuda" else choose_num_splits(
+            num_tiles * num_kv_heads, plan.max_context_len, _multiprocessors(query.device))
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    if split:
+        partial_out = torch.empty(num_splits, plan.num_rows, num_heads, head_dim, dtype=torch.float32,
+                                  device=query.device)
+        partial_lse = torch.empty(num_splits, plan.num_rows, num_heads, dtype=torch.float32, device=query.device)
+    else:  # unused: the kernel writes output and lse directly
+        partial_out, partial_lse = output, lse
+    block_d = triton.next_power_of_2(head_dim)
+    _tree_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, output, lse,
         plan.row_query_index, plan.ancestor_words, plan.request_context_len, plan.request_block_row,
         plan.request_row_start, plan.request_num_rows, plan.tile_request, plan.tile_first_row,
-        scale * _LOG2E, key_cache.shape[1],
+        partial_out, partial_lse,
+        scale * _LOG2E, key_cache.shape[1], num_splits,
         *query.stride(), *key_cache.stride(), *value_cache.stride(),
         block_table.stride(0), *output.stride(), *lse.stride(), plan.ancestor_words.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group, ROWS_PER_TILE=plan.rows_per_tile,
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast, IEEE_DOT=upcast,
+        *_strides(partial_out, 4), *_strides(partial_lse, 3),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, ROWS_PER_TILE=plan.rows_per_tile,
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast, IEEE_DOT=upcast, SPLIT=split,
     )
+    if split:
+        _merge_splits_kernel[(plan.num_rows, num_heads)](
+            partial_out, partial_lse, plan.row_query_index, output, lse, num_splits,
+            *partial_out.stride(), *partial_lse.stride(), *output.stride(), *lse.stride(),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
     return output, lse
+
+
+def _strides(tensor: torch.Tensor, ndim: int) -> tuple[int, ...]:
+    """``tensor``'s strides padded to ``ndim`` (the unused workspace arguments when the kernel does not split)."""
+    return (tuple(tensor.stride()) + (0,) * ndim)[:ndim]
 
