@@ -316,7 +316,7 @@ def main() -> None:
         report(record, extra, seconds)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"cost-{name}-{args.dtype}-{mode}.json"), "wb") as f:
+            with open(os.path.join(args.out, f"cost-{name}-{record.key.dtype}-{mode}.json"), "wb") as f:
                 f.write(msgspec.json.encode(record))
         if device.type == "cuda":
             torch.cuda.empty_cache()
