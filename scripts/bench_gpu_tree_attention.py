@@ -204,6 +204,63 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                     torch.cuda.empty_cache()
 
 
+#: --tune: shapes (requests, context, rows) and the launch configurations tried on each
+TUNE_SHAPES = ((1, 4096, 16), (1, 32768, 64), (8, 4096, 16), (8, 32768, 64), (32, 512, 16), (32, 4096, 64))
+TUNE_TILE_M = (32, 64, 128)
+TUNE_BLOCK_N = (32, 64, 128)
+TUNE_WARPS = (4, 8)
+TUNE_STAGES = (2, 3)
+
+
+def tune(tt, device, heads, kv_heads, head_dim, block_size, dtype, iters) -> None:
+    """Every launch configuration on :data:`TUNE_SHAPES`, µs per layer, with each shape's best marked, and the
+    configurations ranked by their geometric mean over the shapes relative to each shape's best."""
+    import itertools
+    import math
+
+    configs = list(itertools.product(TUNE_TILE_M, TUNE_BLOCK_N, TUNE_WARPS, TUNE_STAGES))
+    global DEFAULTS
+    DEFAULTS = (tt.DEFAULT_TILE_M, tt.DEFAULT_BLOCK_N, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
+    times: dict[tuple, list[float]] = {c: [] for c in configs}
+    scale = head_dim ** -0.5
+    for num_reqs, context, rows in TUNE_SHAPES:
+        rng, generator = np.random.default_rng(2), torch.Generator(device=device).manual_seed(2)
+        seq_len = context + rows
+        _, _, key_cache, value_cache, table = paged_kv(num_reqs, seq_len, kv_heads, head_dim, block_size, dtype,
+                                                       device, False, generator)
+        query = torch.randn(num_reqs * rows, heads, head_dim, generator=generator, device=device).to(dtype)
+        batch = make_batch(rng, num_reqs, context, rows, False)
+        output = torch.empty_like(query)
+        for tile_m, block_n, warps, stages in configs:
+            plan = tt.build_kernel_plan(batch, tt.rows_per_tile_for(heads // kv_heads, tile_m)[0], device)
+            try:
+                us = timed_us(lambda: tt.tree_attention(query, key_cache, value_cache, table, plan, scale,
+                                                        output=output, block_n=block_n, num_warps=warps,
+                                                        num_stages=stages), device, iters)
+            except Exception as e:  # noqa: BLE001 - a configuration that does not fit (shared memory) is skipped
+                print(f"skipped tile_m={tile_m} block_n={block_n} warps={warps} stages={stages}: "
+                      f"{type(e).__name__}")
+                us = math.inf
+            times[(tile_m, block_n, warps, stages)].append(us)
+        # per shape as it finishes (compiling every configuration takes minutes: a run cut short keeps these)
+        fastest = sorted(configs, key=lambda c: times[c][-1])[:5]
+        print(f"{num_reqs}x{context}x{rows}: defaults {DEFAULTS} {times[DEFAULTS][-1]:.1f} µs; fastest (tile_m, "
+              f"block_n, warps, stages): " + ", ".join(f"{c} {times[c][-1]:.1f}" for c in fastest), flush=True)
+        del key_cache, value_cache
+        torch.cuda.empty_cache()
+    best = [min(times[c][i] for c in configs) for i in range(len(TUNE_SHAPES))]
+    ranked = sorted(configs, key=lambda c: sum(math.log(t / b) for t, b in zip(times[c], best)))
+    print(f"\n{torch.cuda.get_device_name()}, {dtype}, {heads} query / {kv_heads} KV heads, head_dim {head_dim}: "
+          "µs per layer (median), configurations best first by geometric mean over the shapes of time / the "
+          "shape's best")
+    print("| tile_m | block_n | warps | stages | " + " | ".join(f"{r}x{c}x{w}" for r, c, w in TUNE_SHAPES)
+          + " | geo. mean / best |")
+    print("|---|---|---|---|" + "---|" * (len(TUNE_SHAPES) + 1))
+    for c in ranked:
+        mean = math.exp(sum(math.log(t / b) for t, b in zip(times[c], best)) / len(best))
+        print(f"| {' | '.join(map(str, c))} | " + " | ".join(f"{t:.1f}" for t in times[c]) + f" | {mean:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
@@ -212,6 +269,8 @@ def main() -> None:
     parser.add_argument("--rows", default="4,16,32,64", help="tree rows per request (root + nodes)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tune", action="store_true", help="time the kernel's launch configurations instead "
+                        "(tile rows, keys per step, warps, pipeline stages) on a fixed set of shapes")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -230,6 +289,11 @@ def main() -> None:
         heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
         correctness_shapes = [(3, 100, 17), (2, 600, 64), (1, 4096, 33), (1, 32768, 17)]
         requests, contexts, row_counts, iters = ints(args.requests), ints(args.contexts), ints(args.rows), args.iters
+    if args.tune:
+        if device.type != "cuda":
+            sys.exit("--tune needs a GPU")
+        tune(tt, device, heads, kv_heads, head_dim, block_size, getattr(torch, args.dtype), args.iters)
+        return
     ok = check_correctness(tt, device, correctness_shapes, heads, kv_heads, head_dim, block_size)
     sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim, block_size,
           getattr(torch, args.dtype), iters)

@@ -14,6 +14,7 @@ measured, the context term, and what :func:`vllm_treespec.cost.allocate.allocate
 synthetic trees with fixed calibrated acceptance probabilities at 1–64 requests.
 
     python scripts/gpu_step_cost.py --out DIR                                  # GPU
+    python scripts/gpu_step_cost.py --report ~/.cache/vllm_treespec/cost_models/FILE.json   # any record, no GPU
     TRITON_INTERPRET=1 python scripts/gpu_step_cost.py --smoke                 # CPU: checks the script runs
 """
 
@@ -261,15 +262,16 @@ def report(record, extra, seconds: float) -> None:
     print("|---|---|---|---|---|")
     for t, r, measured, predicted, err in relative_errors(model, record.samples):
         print(f"| {t} | {r} | {measured * 1e3:.2f} | {predicted * 1e3:.2f} | {err:+.1%} |")
-    print("\nheld out (timed in the same rounds, not fitted):\n")
-    print("| tokens | requests | measured ms | predicted ms | error |")
-    print("|---|---|---|---|---|")
-    worst = 0.0
-    for t, r, measured, predicted, err in relative_errors(model, extra):
-        worst = max(worst, abs(err))
-        print(f"| {t} | {r} | {measured * 1e3:.2f} | {predicted * 1e3:.2f} | {err:+.1%} |")
-    print(f"\nheld-out max |error| {worst:.1%}; context term {model.per_context * 1e6:.3f} ms per row and 1,000 "
-          f"positions beyond {model.reference_context}")
+    if extra:
+        print("\nheld out (timed in the same rounds, not fitted):\n")
+        print("| tokens | requests | measured ms | predicted ms | error |")
+        print("|---|---|---|---|---|")
+        errors = relative_errors(model, extra)
+        for t, r, measured, predicted, err in errors:
+            print(f"| {t} | {r} | {measured * 1e3:.2f} | {predicted * 1e3:.2f} | {err:+.1%} |")
+        print(f"\nheld-out max |error| {max(abs(e[-1]) for e in errors):.1%}")
+    print(f"\ncontext term {model.per_context * 1e6:.3f} ms per row and 1,000 positions beyond "
+          f"{model.reference_context}")
     for t, r, c, measured, predicted, err in context_errors(model, record.samples):
         print(f"- {t} tokens x {r} requests at {c} tokens of context: {measured * 1e3:.2f} ms measured, "
               f"{predicted * 1e3:.2f} ms fitted ({err:+.1%})")
@@ -296,12 +298,22 @@ def main() -> None:
                         "eager (every kernel launched from Python); on CPU: eager")
     parser.add_argument("--out", help="write each model's cost record (JSON, the engines' cache format) here")
     parser.add_argument("--smoke", action="store_true", help="tiny model and grid (CPU under TRITON_INTERPRET=1)")
+    parser.add_argument("--report", metavar="RECORD", help="measure nothing: fit and allocate on a cost record (one "
+                        "written by --out, or an engine's from the step-cost cache) and print the same tables")
     args = parser.parse_args()
+
+    import msgspec
+
+    if args.report:
+        from vllm_treespec.cost.model import CostRecord
+
+        with open(args.report, "rb") as f:
+            report(msgspec.json.decode(f.read(), type=CostRecord), [], 0.0)
+        return
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("no GPU: run with TRITON_INTERPRET=1 (set before triton is imported) and --smoke")
-    import msgspec
 
     names = ["smoke"] if args.smoke else args.models.split(",")
     modes = ["eager"] if device.type == "cpu" else args.modes.split(",")

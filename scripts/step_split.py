@@ -45,6 +45,11 @@ TIMED = (
     ("vllm_treespec.verify.verifier", "TreeVerifier", "sample"),
     ("vllm_treespec.verify.verifier", "TreeVerifier", "_draft"),
     ("vllm_treespec.cost.budget", "StepBudget", "should_draft"),
+    ("vllm_treespec.cost.allocate", "DraftGate", "expected_best"),
+    ("vllm_treespec.eagle.drafter", "EagleDrafter", "observe"),
+    ("vllm_treespec.eagle.drafter", "EagleDrafter", "_write_segments"),
+    ("vllm_treespec.eagle.drafter", "EagleDrafter", "ingest"),
+    ("vllm_treespec.eagle.drafter", "EagleDrafter", "draft"),
     ("vllm_treespec.cost.budget", "StepBudget", "admit"),
     ("vllm_treespec.cost.budget", "StepBudget", "step_finished"),
 )

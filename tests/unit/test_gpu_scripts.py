@@ -38,3 +38,35 @@ def test_gpu_step_cost_fits_the_engines_model_and_allocates_on_it(tmp_path):
     assert {(s.num_tokens, s.num_reqs) for s in record.samples if s.context_len == 0} >= {(1, 1), (8, 1), (8, 2)}
     assert {s.context_len for s in record.samples} == {0, 256}  # the context term's points, at 8x
     record.step_model().predict(8, 2)
+    # the same tables from the record alone, measuring nothing (no interpreter, no GPU)
+    again = subprocess.run([sys.executable, "scripts/gpu_step_cost.py", "--report",
+                            str(tmp_path / "cost-smoke-float32-eager.json")], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr[-4000:]
+    tables = again.stdout
+    assert "allocator on this curve" in tables and "held out" not in tables
+    assert out.split("allocator on this curve")[1] == tables.split("allocator on this curve")[1]
+
+
+def test_gpu_kernel_tuning_ranks_every_configuration():
+    """--tune needs a GPU; its loop and ranking run here under the interpreter on two tiny shapes."""
+    code = """
+import sys, torch
+sys.path.insert(0, "scripts")
+import bench_gpu_tree_attention as bench
+from vllm_treespec.attn import triton_tree
+bench.TUNE_SHAPES = ((1, 40, 4), (2, 20, 8))
+bench.TUNE_TILE_M, bench.TUNE_BLOCK_N, bench.TUNE_WARPS, bench.TUNE_STAGES = (32, 64), (64,), (4,), (3,)
+torch.cuda.get_device_name = lambda *a: "interpreter"
+torch.cuda.empty_cache = lambda: None
+bench.tune(triton_tree, torch.device("cpu"), 4, 2, 16, 16, torch.float32, 1)
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("1x40x4: defaults (64, 64, 4, 3)") for line in lines) == 1
+    ranked = [line for line in lines if line.startswith("| 32 |") or line.startswith("| 64 |")]
+    means = [float(line.rstrip(" |").rsplit("|", 1)[1]) for line in ranked]
+    assert len(means) == 2 and means == sorted(means) and means[0] >= 1.0  # best first, relative to each shape's best

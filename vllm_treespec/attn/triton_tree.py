@@ -271,13 +271,15 @@ def choose_num_splits(num_programs: int, max_context_len: int, multiprocessors: 
 
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                    plan: TreeKernelPlan, scale: float, output: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None
+                   lse: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the tree rows' attention into ``output`` (same shape as ``query``; a zero tensor if None).
 
     query / output ``[num_tokens, num_heads, head_dim]``; key_cache / value_cache logical views
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); block_table ``[batch_rows, max_blocks]``.
     num_splits: splits of the committed context (None: :func:`choose_num_splits` on CUDA, 1 elsewhere).
+    num_warps / num_stages: the main kernel's launch options (None: Triton's defaults).
     Returns (output, lse ``[plan.num_rows, num_heads]`` fp32, natural log). Rows not in the plan are not touched.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -317,6 +319,7 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         *_strides(partial_out, 4), *_strides(partial_lse, 3),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, ROWS_PER_TILE=plan.rows_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast, IEEE_DOT=upcast, SPLIT=split,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     if split:
         _merge_splits_kernel[(plan.num_rows, num_heads)](
