@@ -219,6 +219,22 @@ def test_min_gain_and_overhead_turn_marginal_speculation_off():
     assert allocate([t], cost, overhead=0.005).num_nodes.tolist() == [0]
 
 
+def test_the_gates_expected_rate_follows_every_change_of_its_gains():
+    gate = DraftGate(STEEP)
+    assert gate.expected_best(2)[0] == 0.0  # nothing learnt: no drafting rate
+    gate.record([star([0.9, 0.9])])
+    first = gate.expected_best(1, max_nodes=2)
+    gate.record([star([0.1])])  # worse trees lower the gains it remembers
+    second = gate.expected_best(1, max_nodes=2)
+    assert second[0] < first[0] and second[1] == first[1]
+    gate.marginal = np.array([0.9, 0.9])  # set directly, as a test or a restored state does
+    assert gate.expected_best(1, max_nodes=2) == pytest.approx(first)
+    flat = DraftGate(FLAT)  # where every node pays: the rate grows with the batch and the cap
+    flat.marginal = np.array([0.9, 0.9])
+    rates = [flat.expected_best(r, max_nodes=m)[0] for r, m in ((2, 2), (2, 1), (1, 1), (2, 2))]
+    assert rates[0] > rates[1] > rates[2] and rates[3] == rates[0]
+
+
 def test_draft_gate_runs_the_drafter_only_when_it_pays():
     trees = [star([0.8, 0.4, 0.2])]
     gate = DraftGate(FLAT, drafter_cost=None, probe_every=3)

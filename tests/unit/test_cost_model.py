@@ -68,6 +68,14 @@ def test_piecewise_linear_extrapolates_with_last_slope_and_is_flat_below():
         PiecewiseLinear([1, 1], [1.0, 2.0])
 
 
+@pytest.mark.parametrize("knots", [([2, 4, 8], [1.0, 2.0, 4.0]), ([1, 2, 4, 8], [0.042, 0.048, 0.033, 0.044]),
+                                   ([4], [2.0]), ([1, 2], [2.0, 1.0])])
+def test_the_curve_at_one_point_is_the_curve(knots):
+    curve = PiecewiseLinear(*knots)
+    points = [0.5, 1.0, 1.5, 2.0, 3.0, 3.999, 4.0, 5.0, 7.5, 8.0, 8.5, 16.0, 100.0]
+    assert [curve.at(x) for x in points] == pytest.approx(curve(np.array(points)).tolist(), rel=1e-12)
+
+
 def test_measured_dips_are_kept_unless_monotone_is_asked():
     # the shape measured on this machine (SmolLM2 fp32): 2 tokens cost more than 4
     x, y = [1, 2, 4, 8], [0.042, 0.048, 0.033, 0.044]

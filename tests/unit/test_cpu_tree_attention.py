@@ -331,3 +331,34 @@ def test_compact_layers_moves_every_cpu_layer_in_place_or_through_vllms_op():
     assert all(torch.equal(layer.kv_cache, e) for layer, e in zip(layers, expected))
     assert not layout.can_move_slots(layers[0].kv_cache, "vec", "fp8_e4m3")  # vLLM's op converts: not in place
     assert not layout.can_move_slots(layers[0].kv_cache, "amx")
+
+
+def test_a_layer_without_tree_rows_is_vllms_forward_alone(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_treespec.attn import cpu
+
+    calls = []
+
+    def vllm_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                     output_block_scale=None):
+        calls.append(attn_metadata)
+        return output.fill_(1.0)
+
+    def no_tree_rows(*args, **kwargs):
+        raise AssertionError("tree rows written on a step without trees")
+
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", vllm_forward)
+    monkeypatch.setattr(cpu.TreeCPUAttentionImpl, "_tree_rows", no_tree_rows)
+    impl = cpu.TreeCPUAttentionImpl.__new__(cpu.TreeCPUAttentionImpl)
+    impl.attn_type = AttentionType.DECODER
+    before = dict(cpu.stats)
+    output = torch.zeros(2, 4)
+    plain = SimpleNamespace(num_actual_tokens=2)  # a step without trees: no tree_plan at all
+    assert impl.forward(None, output, None, None, None, plain, output) is output and bool((output == 1).all())
+    impl.attn_type = AttentionType.ENCODER_ONLY  # a plan never reaches a non-decoder layer
+    impl.forward(None, output, None, None, None, SimpleNamespace(tree_plan=object(), num_actual_tokens=2), output)
+    assert len(calls) == 2 and cpu.stats == before  # the tree timers count tree steps only

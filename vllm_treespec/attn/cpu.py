@@ -28,8 +28,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_treespec.attn import cpu_fast, layout
 from vllm_treespec.attn.plan import TreeAttentionPlan, current_plan
 
-# Host time in this process's attention layers (benchmarks read it through collective_rpc): vLLM's kernel, and the
-# tree rows computed after it.
+# Host time in this process's attention layers on steps with trees (benchmarks read it through collective_rpc):
+# vLLM's kernel, and the tree rows computed after it.
 stats = {"kernel_seconds": 0.0, "tree_seconds": 0.0, "tree_calls": 0}
 
 
@@ -63,20 +63,22 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         plan: TreeAttentionPlan | None = getattr(attn_metadata, "tree_plan", None)
-        if self.attn_type != AttentionType.DECODER:
-            plan = None
+        if plan is None or self.attn_type != AttentionType.DECODER:
+            # a step without trees (most steps once the budget stops drafting): vLLM's forward and nothing else,
+            # not even the timers (30 layers' worth of them cost ~0.1 ms a step)
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
         started = time.perf_counter()
-        if plan is None or plan.total_rows != attn_metadata.num_actual_tokens:
+        if plan.total_rows != attn_metadata.num_actual_tokens:
             # Some rows are not tree rows (with none, this is vLLM's forward); tree rows cost the kernel next to
             # nothing (the builder cut their sequences to their own rows) and are written below.
             output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                      output_scale, output_block_scale)
         kernel_done = time.perf_counter()
         stats["kernel_seconds"] += kernel_done - started
-        if plan is not None:
-            self._tree_rows(layer, plan, query, kv_cache, output)
-            stats["tree_seconds"] += time.perf_counter() - kernel_done
-            stats["tree_calls"] += 1
+        self._tree_rows(layer, plan, query, kv_cache, output)
+        stats["tree_seconds"] += time.perf_counter() - kernel_done
+        stats["tree_calls"] += 1
         return output
 
     def _tree_rows(self, layer, plan, query, kv_cache, output) -> None:

@@ -279,11 +279,32 @@ class DraftGate:
         self.probe_share = probe_share
         self.allowance = 0.0  # seconds the skipped steps since the last probe set aside for the next one
         self.probe_seconds: float | None = None  # the last probe's verification allowance (None: not capped)
-        self.marginal: np.ndarray | None = None  # per-request expected gain of its j-th best node
+        self.marginal = None  # per-request expected gain of its j-th best node (a property: see _gain_prefix)
         self.skipped = 0
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
         self._after_probe = False  # no decision since the last probe
         self.last_rates: tuple[float, float] | None = None  # (best with drafting, plain) of the last priced decision
+
+    @property
+    def marginal(self) -> np.ndarray | None:
+        return self._marginal
+
+    @marginal.setter
+    def marginal(self, value: np.ndarray | None) -> None:
+        self._marginal = value
+        self._prefix: tuple[tuple[int, int | None], np.ndarray, np.ndarray] | None = None
+
+    def _gain_prefix(self, num_reqs: int, max_nodes: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """(k = 0..K, expected tokens of a step of ``num_reqs`` requests with its best k nodes), kept until the
+        marginal gains change: the gate asks on every step, and they change only on drafted ones."""
+        key = (int(num_reqs), max_nodes)
+        if self._prefix is None or self._prefix[0] != key:
+            per_request = self._marginal if self._marginal is not None else np.zeros(0)
+            if max_nodes is not None:
+                per_request = per_request[:max_nodes]
+            gains = np.sort(np.repeat(per_request, num_reqs))[::-1]
+            self._prefix = (key, np.arange(gains.size + 1), num_reqs + np.concatenate([[0.0], np.cumsum(gains)]))
+        return self._prefix[1], self._prefix[2]
 
     def record(self, trees: Sequence[DraftTree | None], scale: float = 1.0) -> None:
         """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
@@ -332,16 +353,12 @@ class DraftGate:
         """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests (``row_excess``: the
         context term of one of their rows, on average; None: at the curve's context)."""
         base = num_reqs if base_tokens is None else base_tokens
-        per_request = self.marginal if self.marginal is not None else np.zeros(0)
-        if max_nodes is not None:
-            per_request = per_request[:max_nodes]
-        gains = np.sort(np.repeat(per_request, num_reqs))[::-1]
-        k_all = np.arange(gains.size + 1)
+        k_all, tokens = self._gain_prefix(num_reqs, max_nodes)
         excess = None if row_excess is None else (num_reqs + k_all) * row_excess
         seconds = _predict(self.cost, base + k_all, num_reqs, excess)
         seconds[1:] += drafter_seconds + self.overhead
-        rates = (num_reqs + np.concatenate([[0.0], np.cumsum(gains)])) / np.maximum(seconds, 1e-12)
-        return float(rates[1:].max()) if gains.size else 0.0, float(rates[0])
+        rates = tokens / np.maximum(seconds, 1e-12)
+        return float(rates[1:].max()) if k_all.size > 1 else 0.0, float(rates[0])
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                      row_excess: float | None = None) -> bool:

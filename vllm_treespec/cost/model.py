@@ -25,6 +25,7 @@ with one log line. Imports numpy and msgspec only.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import math
@@ -105,11 +106,26 @@ class PiecewiseLinear:
         self.x = x
         self.y = isotonic(y, None if weights is None else np.asarray(weights, np.float64)[order]) if monotone else y
         self.tail_slope = max(float((self.y[-1] - self.y[-2]) / (x[-1] - x[-2])), 0.0) if x.size > 1 else 0.0
+        self._knots: tuple[list[float], list[float]] | None = None
 
     def __call__(self, x: float | np.ndarray) -> np.ndarray:
         x = np.asarray(x, np.float64)
         inside = np.interp(x, self.x, self.y)
         return np.where(x > self.x[-1], self.y[-1] + self.tail_slope * (x - self.x[-1]), inside)
+
+    def at(self, x: float) -> float:
+        """The curve at one point, without numpy (what the engine prices once per step)."""
+        if self._knots is None:
+            self._knots = (self.x.tolist(), self.y.tolist())
+        xs, ys = self._knots
+        if x > xs[-1]:
+            return ys[-1] + self.tail_slope * (x - xs[-1])
+        if x <= xs[0]:
+            return ys[0]
+        j = bisect.bisect_right(xs, x) - 1
+        if xs[j] == x:
+            return ys[j]
+        return ys[j] + (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j])
 
 
 class OnlineCorrection:
@@ -237,7 +253,9 @@ class StepCostModel:
     # --- online refinement -----------------------------------------------------------------------------------------
     def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0) -> None:
         """Fold one observed step time into the correction of its token bucket."""
-        base = float(self.base(num_tokens, num_reqs, excess))
+        base = self.curve.at(float(num_tokens)) + self.per_request * max(int(num_reqs) - 1, 0)
+        if self.per_context:  # as base()
+            base = max(base + self.per_context * float(excess), 0.5 * base)
         if base > 0:
             self.correction.observe(num_tokens, seconds / base)
 
