@@ -193,6 +193,10 @@ class ProposeContext:
     expectation_factor: the step budget's recent accepted-over-expected drafts, by which it scales every calibrated
         path probability before weighing the nodes (1.0 without a budget): a proposer's own gate prices its trees
         as the verifier will (``DraftGate.record(trees, scale=...)``).
+    row_excess: per row, what one more verified token of that request adds to the step's context term (its
+        sequence length beyond the step-cost curve's context) while the budget's model prices the context, else
+        None: every row of a step attends to its request's whole sequence, and a proposer's own gate prices the
+        rows of long requests as the verifier does (``DraftGate.should_draft(..., row_excess=mean)``).
     """
 
     req_ids: list[str]
@@ -209,6 +213,7 @@ class ProposeContext:
     step_cost: Any = None
     probing: bool = False
     expectation_factor: float = 1.0
+    row_excess: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:

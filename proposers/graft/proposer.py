@@ -128,7 +128,7 @@ class GraftProposer(TreeProposer):
             return self.min_node_confidence
         return 0.0
 
-    def head_drafts(self, ctx: ProposeContext, budget: int, num_drafting: int) -> bool:
+    def head_drafts(self, ctx: ProposeContext, budget: int, rows: list[int]) -> bool:
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
         beat its measured cost, both against plain decoding and against the retrieval-only trees graft drafts without
         it (a head that adds little to a confident match only costs), and on every probe of the verifier's gate
@@ -136,7 +136,9 @@ class GraftProposer(TreeProposer):
         What the retrieval-only trees are worth is learnt on the head's own steps (:meth:`retrieval_alternatives`):
         a step drafted without the head only to measure them would also teach the verifier's gate, which prices
         whatever graft proposes, that graft's trees are worth less than the head's, and a fresh engine's gate then
-        skipped drafting for the next 16-128 steps after each such step."""
+        skipped drafting for the next 16-128 steps after each such step. Both gates price the drafting requests'
+        rows by their sequence lengths (``ctx.row_excess``), as the verifier does."""
+        num_drafting = len(rows)
         if self.drafter is None or budget <= 0 or num_drafting == 0:
             return False
         if ctx.step_cost is None:
@@ -148,13 +150,14 @@ class GraftProposer(TreeProposer):
         self.head_gate.cost = self.retrieval_gate.cost = ctx.step_cost
         if ctx.probing:  # the verifier's probe must measure the trees graft would draft once drafting pays
             return True
-        if not self.head_gate.should_draft(num_drafting, budget):
+        excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[rows]))
+        if not self.head_gate.should_draft(num_drafting, budget, row_excess=excess):
             return False
         if self.head_gate.probing or self.head_gate.last_rates is None:
             return True
         if self.retrieval_gate.marginal is None:
             return True  # nothing to weigh the head against yet: this step prices the retrieval-only trees too
-        retrieval_best, _ = self.retrieval_gate.expected_best(num_drafting, budget)
+        retrieval_best, _ = self.retrieval_gate.expected_best(num_drafting, budget, row_excess=excess)
         return self.head_gate.last_rates[0] > retrieval_best  # the head's trees beat the retrieval-only ones
 
     # --- proposing -------------------------------------------------------------------------------------------------
@@ -173,7 +176,7 @@ class GraftProposer(TreeProposer):
         self.stats.steps += 1
         budget = self.budget(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
-        use_drafter = self.head_drafts(ctx, budget, len(rows))
+        use_drafter = self.head_drafts(ctx, budget, rows)
         self._head_streak = self._head_streak + 1 if use_drafter else 0
         started = time.perf_counter()
         if use_drafter:

@@ -292,6 +292,9 @@ def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():
         verifier.budget.cost.per_context, verifier.budget.cost.reference_context = per_context, 0
         drafts = verifier.propose([[9], [3], []])
         kept[name] = [len(d) for d in drafts[:2]]
+        # the proposer sees the same per-row prices (for a gate of its own): lengths 5, 3 and 2 over a context of 0
+        seen = verifier.proposer.contexts[-1].row_excess
+        assert seen is None if not per_context else seen.tolist() == [5.0, 3.0, 2.0]
     assert kept["no term"][0] == kept["no term"][1] > 0  # request a has 5 tokens, b 3: alike without the term
     assert kept["term"] == [0, kept["no term"][1]]  # a's rows (5 positions each) cost too much, b's (3) still pay
     # the forward of the scheduled step is observed with its rows' context: rows x sequence length at the step's end

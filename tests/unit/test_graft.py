@@ -550,6 +550,43 @@ class Linear:
         return self.base + self.per_token * np.asarray(num_tokens, np.float64)
 
 
+class LinearWithContext(Linear):
+    """``Linear`` plus ``per_position`` seconds per row and position of context beyond the curve's."""
+
+    def __init__(self, base, per_token, per_position):
+        super().__init__(base, per_token)
+        self.per_position = per_position
+
+    def predict_many(self, num_tokens, num_reqs=1, excess=0.0):
+        return super().predict_many(num_tokens, num_reqs) + self.per_position * np.asarray(excess, np.float64)
+
+
+def test_grafts_head_gate_prices_the_rows_of_long_requests_higher():
+    """A head whose trees pay at a short context sits out at a long one, where each verified row attends to
+    thousands of positions more (``ctx.row_excess``, set by the verifier): a node expected to add half a token no
+    longer pays for a row that costs as much as the plain step's. (A near-certain node still pays at any length.)"""
+    drafter = ScriptedDrafter({0: [0.5] * 4})
+    calls = []
+    drafter.ingest = lambda ctx: calls.append(len(ctx.req_ids))
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
+                      vocab_size=VOCAB)
+    cost = LinearWithContext(0.05, 0.004, 2e-6)  # 2 ms per row and 1,000 positions: a CPU's order
+
+    def step(excess):
+        p.head_cost.buckets = {0: 0.005}  # 5 ms a call, whatever the scripted drafter takes: not free at any length
+        ctx = make_ctx([[1, 2, 3]])
+        ctx.step_cost, ctx.row_excess = cost, np.array([excess], np.float64)
+        p.propose_trees(ctx)
+
+    step(0.0)  # no history: the head drafts, and its trees are priced
+    drafted = len(calls)
+    for _ in range(3):
+        step(0.0)
+    assert len(calls) == drafted + 3  # at the curve's context its trees pay
+    step(30000.0)  # each row now costs 60 ms more, the plain row too
+    assert len(calls) == drafted + 3 and p.head_gate.last_rates[0] < p.head_gate.last_rates[1]
+
+
 def test_under_a_step_budget_graft_drafts_its_full_budget_without_a_floor():
     """The tables (CPU budget by batch, the device confidence floor) are the fallback without a cost model; under the
     engine's step budget the verifier keeps what pays. Explicit options still win."""

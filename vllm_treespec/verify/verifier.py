@@ -131,6 +131,7 @@ class TreeVerifier:
         # a row of a request attends to its whole sequence: the budget prices rows of long requests higher
         row_excess = (self.budget.step_time.row_excess(input_batch.num_tokens_no_spec[:num_reqs])
                       if self.budget is not None else None)
+        ctx.row_excess = row_excess
         started = time.perf_counter()
         drafted, drafting = self._draft(ctx, row_excess)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
