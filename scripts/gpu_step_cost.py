@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench_gpu_tree_attention import random_tree_mask  # noqa: E402 - this folder is on the path of a script
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -59,16 +61,6 @@ HELD_OUT = ((5, 1), (10, 1), (20, 1), (40, 1), (80, 1), (160, 1), (320, 1), (24,
 #: the synthetic draft tree: each node has these children's calibrated acceptance probabilities
 CHILD_PROBS = (0.6, 0.2, 0.1)
 TREE_NODES = 64
-
-
-def tree_mask(rng: np.random.Generator, rows: int) -> np.ndarray:
-    """``[W, W]`` ancestor-or-self mask of a random tree of ``rows`` rows (row 0 the root)."""
-    mask = np.zeros((rows, rows), np.bool_)
-    mask[0, 0] = True
-    for row in range(1, rows):
-        mask[row] = mask[int(rng.integers(0, row))]
-        mask[row, row] = True
-    return mask
 
 
 class TreeDecoder:
@@ -112,7 +104,7 @@ class TreeDecoder:
         tree rows (random trees) after ``context`` committed tokens, each request on its own blocks."""
         rows = num_tokens // num_reqs
         per_req = -(-(context + rows) // BLOCK_SIZE)
-        masks = np.stack([tree_mask(rng, rows) for _ in range(num_reqs)])
+        masks = np.stack([random_tree_mask(rng, rows, chain=False) for _ in range(num_reqs)])
         batch = SimpleNamespace(rows=np.arange(num_reqs), query_start=np.arange(num_reqs) * rows,
                                 context_len=np.full(num_reqs, context),
                                 node_offsets=np.arange(num_reqs + 1) * (rows - 1), mask=masks)
