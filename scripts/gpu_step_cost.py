@@ -25,14 +25,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_gpu_tree_attention import random_tree_mask  # noqa: E402 - this folder is on the path of a script
+from bench_gpu_tree_attention import make_batch  # noqa: E402 - this folder is on the path of a script
 
 
 @dataclass(frozen=True)
@@ -104,11 +103,8 @@ class TreeDecoder:
         tree rows (random trees) after ``context`` committed tokens, each request on its own blocks."""
         rows = num_tokens // num_reqs
         per_req = -(-(context + rows) // BLOCK_SIZE)
-        masks = np.stack([random_tree_mask(rng, rows, chain=False) for _ in range(num_reqs)])
-        batch = SimpleNamespace(rows=np.arange(num_reqs), query_start=np.arange(num_reqs) * rows,
-                                context_len=np.full(num_reqs, context),
-                                node_offsets=np.arange(num_reqs + 1) * (rows - 1), mask=masks)
-        depth = masks.sum(-1) - 1  # a node's position is its depth after the context
+        batch = make_batch(rng, num_reqs, context, rows, chain=False)
+        depth = batch.mask.sum(-1) - 1  # a node's position is its depth after the context
         slot_rows = np.arange(num_reqs)[:, None] * per_req * BLOCK_SIZE + context + np.arange(rows)[None, :]
         host = dict(positions=(context + depth).reshape(-1), slots=slot_rows.reshape(-1),
                     token_ids=rng.integers(0, self.shape.vocab, num_tokens))

@@ -133,7 +133,7 @@ class TreeVerifier:
                       if self.budget is not None else None)
         ctx.row_excess = row_excess
         started = time.perf_counter()
-        drafted, drafting = self._draft(ctx, row_excess)
+        drafted, drafting = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
         if drafting:
             # nodes no step can commit (the request ends first) are neither priced nor verified
@@ -164,12 +164,12 @@ class TreeVerifier:
         """Learn acceptance rates: the budget weighs nodes by them, a proposer with named sources ranks by them."""
         return self.budget is not None or bool(getattr(self.proposer, "acceptance_sources", ()))
 
-    def _draft(self, ctx: ProposeContext, row_excess: np.ndarray | None = None
-               ) -> tuple[list[DraftTree | None], int]:
+    def _draft(self, ctx: ProposeContext) -> tuple[list[DraftTree | None], int]:
         """The proposer's trees, and the requests it drafted for (0 when it was not called); no trees at all when
         the budget's gate says drafting would not pay (then the proposer only observes the step).
-        ``row_excess``: per request, the context term of one of its rows (:meth:`StepTime.row_excess`)."""
+        The gate prices the drafting requests' rows by ``ctx.row_excess``."""
         budget = self.budget
+        row_excess = ctx.row_excess
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         drafting = len(rows)
         if budget is not None and drafting and not budget.should_draft(
