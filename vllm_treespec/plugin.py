@@ -1,8 +1,9 @@
 """The ``vllm.general_plugins`` entry point. vLLM calls :func:`register` once in every process it starts.
 
 It gates on the vLLM version (unsupported → one log line, nothing registered, vLLM keeps working), installs the
-process-0 config translation, and — only in processes that serve a tree method — the worker patches and the
-tree-aware attention backend. Processes that never use a tree method pay for one version check and one import.
+process-0 config translation, on CPU the measured choice of dense linear (:mod:`vllm_treespec.patches.cpu_gemm`, in
+every engine: no speculation must run on the linear the tree methods run on) and — only in processes that serve a
+tree method — the worker patches and the tree-aware attention backend.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def register() -> None:
                        "Install a supported vLLM or set %s=1 to try anyway.",
                        version, ", ".join(p + "x" for p in SUPPORTED_VLLM_PREFIXES), SKIP_VERSION_CHECK_ENV)
         return
-    from vllm_treespec.patches import engine_args
+    from vllm_treespec.patches import cpu_gemm, engine_args
 
     engine_args.apply(activate_tree_mode)
+    cpu_gemm.apply()  # every CPU engine, speculative or not: no speculation is measured on the same linear
     _state["enabled"] = True
     if os.environ.get(TREE_MODE_ENV) == "1":
         activate_tree_mode()

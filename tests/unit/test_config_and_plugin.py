@@ -57,7 +57,7 @@ def test_vllm_methods_pass_through_and_dotted_paths_select_tree_mode():
 def test_patch_signatures_match_installed_vllm():
     from vllm_treespec.patches import EXPECTED_SIGNATURES, check_signatures, engine_args, model_runner
     from vllm_treespec.attn import flash  # noqa: F401 - records the FlashAttention methods it overrides
-    from vllm_treespec.patches import (cpu_worker, cudagraph_dispatcher, draft_delivery, gpu_worker,
+    from vllm_treespec.patches import (cpu_gemm, cpu_worker, cudagraph_dispatcher, draft_delivery, gpu_worker,
                                        rejection_sampler, topk_topp_sampler, triton_dispatcher)
     from vllm_treespec.plugin import activate_tree_mode
 
@@ -70,7 +70,8 @@ def test_patch_signatures_match_installed_vllm():
     cpu_worker.apply()
     gpu_worker.apply()  # GPU only; its signature is recorded on every platform
     draft_delivery.apply()
-    assert len(EXPECTED_SIGNATURES) == 19
+    cpu_gemm.apply()
+    assert len(EXPECTED_SIGNATURES) == 20
     assert check_signatures() == []
 
 

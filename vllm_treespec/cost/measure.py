@@ -83,9 +83,12 @@ def cost_key(runner: Any) -> CostKey:
     import torch
     import vllm
 
+    from vllm_treespec.patches.cpu_gemm import kernel_summary
+
     model_config = runner.vllm_config.model_config
     return CostKey(model=str(model_config.model), dtype=str(model_config.dtype).removeprefix("torch."),
-                   device=device_name(), vllm_version=str(vllm.__version__), torch_threads=torch.get_num_threads())
+                   device=device_name(), vllm_version=str(vllm.__version__), torch_threads=torch.get_num_threads(),
+                   linear=kernel_summary())
 
 
 def default_points(runner: Any, grid: Sequence[int] = TOKEN_GRID, batch_reqs: Sequence[int] = BATCH_REQS,

@@ -305,6 +305,7 @@ class CostKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: str
     vllm_version: str
     torch_threads: int
+    linear: str = "vllm"  # the CPU dense linear the layers use (vllm_treespec.patches.cpu_gemm.kernel_summary)
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]

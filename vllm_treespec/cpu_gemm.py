@@ -1,0 +1,162 @@
+"""A dense linear layer for CPUs where vLLM's GEMM makes every verified token dear: Numba, one thread, fp32 sums.
+
+A tree step multiplies each weight by a handful of rows (the root and its draft nodes). On an AVX2 CPU without
+AVX-512, vLLM's CPU linear is oneDNN in fp32 (about 40% dearer than streaming the weights at one row, and a
+steep price per extra row) and, in bf16, torch's fallback GEMM (oneDNN cannot build a bf16 matmul there), whose
+time grows linearly with the rows: one more verified token costs about what a whole decode step does. This kernel
+streams each weight once per call and multiplies it by all rows while it is in cache:
+
+* the weight is walked in chunks of rows that fit in L2 (bf16 chunks are widened to fp32 once, into a buffer);
+* each output is a 2-row x 4-column register block whose products are summed in fp32 over the input dimension, in
+  the same order for every row of every call: an odd last row is computed as its own pair (and one copy
+  dropped), so a row's result does not depend on how many rows share the call (batch invariant, unlike
+  oneDNN's blocking);
+* the result is narrowed to the layer's dtype once (round to nearest even, as torch does).
+
+:func:`choose` times it against the linear vLLM chose for the same weight shape (:mod:`vllm_treespec.patches.cpu_gemm`)
+and keeps the faster: nothing here assumes a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numba
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.treespec")
+
+DTYPES = (torch.float32, torch.bfloat16)
+# Bytes of fp32 weight rows per chunk: a chunk stays in L2 (512 KiB per core on the CPUs we measured, 1-2 MiB on
+# newer ones) while every input row passes over it.
+CHUNK_BYTES = 256 * 1024
+
+
+def chunk_rows(in_features: int) -> int:
+    """Weight rows per chunk: a multiple of the 4-column block, at least one block."""
+    return max(4, (CHUNK_BYTES // (4 * in_features)) // 4 * 4)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)
+def _rows_times_chunk(x, w, row0, chunk, out, col0):
+    """out[:, col0 + j] = x @ w[row0 + j] for j < chunk (``w`` fp32, rows x K), in 2 x 4 register blocks."""
+    num_rows, in_features = x.shape
+    for m in range(0, num_rows, 2):
+        mb = m + 1 if m + 1 < num_rows else m  # an odd last row pairs with itself: same sums as any other row
+        j = 0
+        while j + 4 <= chunk:
+            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)
+            b0 = np.float32(0.0); b1 = np.float32(0.0); b2 = np.float32(0.0); b3 = np.float32(0.0)
+            for k in range(in_features):
+                xa = x[m, k]
+                xb = x[mb, k]
+                r = row0 + j
+                w0 = w[r, k]; w1 = w[r + 1, k]; w2 = w[r + 2, k]; w3 = w[r + 3, k]
+                a0 += xa * w0; a1 += xa * w1; a2 += xa * w2; a3 += xa * w3
+                b0 += xb * w0; b1 += xb * w1; b2 += xb * w2; b3 += xb * w3
+            c = col0 + j
+            out[m, c] = a0; out[m, c + 1] = a1; out[m, c + 2] = a2; out[m, c + 3] = a3
+            out[mb, c] = b0; out[mb, c + 1] = b1; out[mb, c + 2] = b2; out[mb, c + 3] = b3
+            j += 4
+        while j < chunk:  # the chunk's last columns (a weight whose row count is not a multiple of 4)
+            a0 = np.float32(0.0); b0 = np.float32(0.0)
+            for k in range(in_features):
+                a0 += x[m, k] * w[row0 + j, k]
+                b0 += x[mb, k] * w[row0 + j, k]
+            out[m, col0 + j] = a0
+            out[mb, col0 + j] = b0
+            j += 1
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def linear_f32(x, w, out, rows_per_chunk):
+    """out = x @ w.T for fp32 ``x`` (M x K), fp32 ``w`` (N x K), fp32 ``out`` (M x N)."""
+    n = w.shape[0]
+    for n0 in range(0, n, rows_per_chunk):
+        n1 = min(n, n0 + rows_per_chunk)
+        _rows_times_chunk(x, w, n0, n1 - n0, out, n0)
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def linear_bf16(x, w_bits, out, rows_per_chunk):
+    """out = x @ w.T for fp32 ``x``, bf16 ``w`` given as its uint16 bits (N x K), fp32 ``out``: each chunk of
+    weight rows is widened to fp32 once (exact: bf16 is the top half of an fp32)."""
+    n, in_features = w_bits.shape
+    wide = np.empty((rows_per_chunk, in_features), np.uint32)
+    wide_f32 = wide.view(np.float32)
+    for n0 in range(0, n, rows_per_chunk):
+        n1 = min(n, n0 + rows_per_chunk)
+        for j in range(n1 - n0):
+            for k in range(in_features):
+                wide[j, k] = np.uint32(w_bits[n0 + j, k]) << 16
+        _rows_times_chunk(x, wide_f32, 0, n1 - n0, out, n0)
+
+
+class NumbaLinear:
+    """``layer.cpu_linear`` for one weight: ``(x, weight, bias) -> x @ weight.T + bias`` in the weight's dtype.
+
+    Keeps its own reference to the weight (vLLM may swap ``layer.weight`` for an empty tensor) and ignores the
+    ``weight`` argument, like vLLM's oneDNN handler does."""
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype not in DTYPES or weight.dim() != 2:
+            raise ValueError(f"NumbaLinear takes a 2-D float32 or bfloat16 weight, got {tuple(weight.shape)} "
+                             f"{weight.dtype}")
+        self.weight = weight.detach().contiguous()
+        self.dtype = weight.dtype
+        self.out_features, self.in_features = self.weight.shape
+        self.rows_per_chunk = chunk_rows(self.in_features)
+        if self.dtype == torch.bfloat16:
+            self._w = self.weight.view(torch.int16).numpy().view(np.uint16)
+            self._kernel = linear_bf16
+        else:
+            self._w = self.weight.numpy()
+            self._kernel = linear_f32
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        rows = rows.to(torch.float32).contiguous()  # exact for bf16 inputs
+        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
+        if rows.shape[0]:
+            self._kernel(rows.numpy(), self._w, out.numpy(), self.rows_per_chunk)
+        if bias is not None:
+            out += bias.to(torch.float32)
+        return out.to(self.dtype).reshape(*lead, self.out_features)
+
+
+def _seconds(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int) -> float:
+    fn(x)  # warm: compile, first touch
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+#: rows timed when choosing: a decode step, a tree of a few nodes, a wide tree or a small batch's trees
+CHOICE_ROWS = (1, 8, 32)
+
+
+def time_against(weight: torch.Tensor, current: Callable, rows: tuple[int, ...] = CHOICE_ROWS,
+                 repeats: int = 2) -> dict[int, tuple[float, float]]:
+    """{rows: (seconds of :class:`NumbaLinear`, seconds of ``current``)} on this weight, best of ``repeats``."""
+    ours = NumbaLinear(weight)
+    times: dict[int, tuple[float, float]] = {}
+    generator = torch.Generator().manual_seed(0)
+    for n in rows:
+        x = torch.randn(n, weight.shape[1], generator=generator).to(weight.dtype)
+        times[n] = (_seconds(lambda v: ours(v, None, None), x, repeats),
+                    _seconds(lambda v: current(v, weight, None), x, repeats))
+    return times
+
+
+def ours_is_faster(times: dict[int, tuple[float, float]]) -> bool:
+    """Ours wins when it is faster in total over the timed row counts, each weighted equally (sum of ratios):
+    a decode step counts as much as a tree step."""
+    return sum(ours / theirs for ours, theirs in times.values()) < len(times)
