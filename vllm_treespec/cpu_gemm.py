@@ -95,11 +95,44 @@ def linear_bf16(x, w_bits, out, rows_per_chunk):
         _rows_times_chunk(x, wide_f32, 0, n1 - n0, out, n0)
 
 
+def _weight_array(weight: torch.Tensor) -> np.ndarray:
+    """The weight as the kernels take it: fp32 as is, bf16 as its uint16 bits (no copy)."""
+    if weight.dtype == torch.bfloat16:
+        return weight.view(torch.int16).numpy().view(np.uint16)
+    return weight.numpy()
+
+
+def _linear(x: torch.Tensor, weight_array: np.ndarray, bias: torch.Tensor | None, dtype: torch.dtype,
+            rows_per_chunk: int) -> torch.Tensor:
+    out_features, in_features = weight_array.shape
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features).to(torch.float32).contiguous()  # exact for bf16 inputs
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    if rows.shape[0]:
+        kernel = linear_bf16 if dtype == torch.bfloat16 else linear_f32
+        kernel(rows.numpy(), weight_array, out.numpy(), rows_per_chunk)
+    if bias is not None:
+        out += bias.to(torch.float32)
+    return out.to(dtype).reshape(*lead, out_features)
+
+
+@torch.library.custom_op("vllm_treespec::numba_linear", mutates_args=())
+def numba_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 rows_per_chunk: int) -> torch.Tensor:
+    """The linear as one opaque op, for graphs torch.compile captures (vLLM's CPU default outside eager mode)."""
+    return _linear(x, _weight_array(weight.contiguous()), bias, weight.dtype, rows_per_chunk)
+
+
+@numba_linear.register_fake
+def _(x, weight, bias, rows_per_chunk):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=weight.dtype)
+
+
 class NumbaLinear:
     """``layer.cpu_linear`` for one weight: ``(x, weight, bias) -> x @ weight.T + bias`` in the weight's dtype.
 
-    Keeps its own reference to the weight (vLLM may swap ``layer.weight`` for an empty tensor) and ignores the
-    ``weight`` argument, like vLLM's oneDNN handler does."""
+    Keeps its own reference to the weight. Eager calls go straight to the kernel; under torch.compile the call is
+    the custom op :func:`numba_linear` on the weight vLLM passes (the layer's parameter, the same storage)."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype not in DTYPES or weight.dim() != 2:
@@ -109,24 +142,13 @@ class NumbaLinear:
         self.dtype = weight.dtype
         self.out_features, self.in_features = self.weight.shape
         self.rows_per_chunk = chunk_rows(self.in_features)
-        if self.dtype == torch.bfloat16:
-            self._w = self.weight.view(torch.int16).numpy().view(np.uint16)
-            self._kernel = linear_bf16
-        else:
-            self._w = self.weight.numpy()
-            self._kernel = linear_f32
+        self._w = _weight_array(self.weight)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features)
-        rows = rows.to(torch.float32).contiguous()  # exact for bf16 inputs
-        out = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
-        if rows.shape[0]:
-            self._kernel(rows.numpy(), self._w, out.numpy(), self.rows_per_chunk)
-        if bias is not None:
-            out += bias.to(torch.float32)
-        return out.to(self.dtype).reshape(*lead, self.out_features)
+        if torch.compiler.is_compiling():
+            return numba_linear(x, self.weight if weight is None else weight, bias, self.rows_per_chunk)
+        return _linear(x, self._w, bias, self.dtype, self.rows_per_chunk)
 
 
 def _seconds(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int) -> float:

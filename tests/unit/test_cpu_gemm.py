@@ -146,3 +146,13 @@ def test_a_failed_timing_keeps_vllms_linear(dispatch, monkeypatch):
     layer = _Layer()
     run(layer, True)
     assert not isinstance(layer.cpu_linear, NumbaLinear) and calls == [False, True]
+
+
+def test_under_torch_compile_the_linear_is_one_opaque_op():
+    """vLLM's CPU engines compile the model unless enforce_eager: the kernel must be traceable (a custom op)."""
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(SHAPES[1], generator=generator) * 0.05).to(torch.bfloat16)
+    linear = NumbaLinear(weight)
+    x = torch.randn(4, weight.shape[1], generator=generator).to(torch.bfloat16)
+    compiled = torch.compile(lambda v, w: linear(v, w, None) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, weight), linear(x) * 2)
