@@ -1,10 +1,10 @@
 """A dense linear layer for CPUs where vLLM's GEMM makes every verified token dear: Numba, one thread, fp32 sums.
 
 A tree step multiplies each weight by a handful of rows (the root and its draft nodes). On an AVX2 CPU without
-AVX-512, vLLM's CPU linear is oneDNN in fp32 (about 40% dearer than streaming the weights at one row, and a
-steep price per extra row) and, in bf16, torch's fallback GEMM (oneDNN cannot build a bf16 matmul there), whose
-time grows linearly with the rows: one more verified token costs about what a whole decode step does. This kernel
-streams each weight once per call and multiplies it by all rows while it is in cache:
+AVX-512, vLLM's bf16 CPU linear is torch's fallback GEMM (oneDNN cannot build a bf16 matmul there), whose time grows
+linearly with the rows: one more verified token cost about what a whole decode step does
+(``scripts/bench_cpu_linear.py``). This kernel streams each weight once per call and multiplies it by all rows
+while it is in cache:
 
 * the weight is walked in chunks of rows that fit in L2 (bf16 chunks are widened to fp32 once, into a buffer);
 * each output is a 2-row x 4-column register block whose products are summed in fp32 over the input dimension, in
@@ -13,21 +13,18 @@ streams each weight once per call and multiplies it by all rows while it is in c
   oneDNN's blocking);
 * the result is narrowed to the layer's dtype once (round to nearest even, as torch does).
 
-:func:`choose` times it against the linear vLLM chose for the same weight shape (:mod:`vllm_treespec.patches.cpu_gemm`)
-and keeps the faster: nothing here assumes a CPU.
+:func:`time_against` and :func:`ours_is_faster` compare it with the linear vLLM chose for the same weight
+(:mod:`vllm_treespec.patches.cpu_gemm` keeps the faster): no CPU model or ISA is assumed.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Callable
 
 import numba
 import numpy as np
 import torch
-
-logger = logging.getLogger("vllm.treespec")
 
 DTYPES = (torch.float32, torch.bfloat16)
 # Bytes of fp32 weight rows per chunk: a chunk stays in L2 (512 KiB per core on the CPUs we measured, 1-2 MiB on

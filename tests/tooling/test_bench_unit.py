@@ -94,6 +94,7 @@ def test_summarize_speedup_median_and_lossless_counts():
     assert by[("suffix", "overall")]["status"] == "skipped"
     table = bench.format_table(rows)
     assert "1/2" in table and "2.00x" in table and "needs arctic-inference" in table
+    assert "informational" not in table and "informational in bfloat16" in bench.format_table(rows, dtype="bfloat16")
     json.dumps(rows)  # plain data
 
 
