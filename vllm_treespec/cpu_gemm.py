@@ -148,12 +148,13 @@ class NumbaLinear:
         return _linear(x, self._w, bias, self.dtype, self.rows_per_chunk)
 
 
-def _seconds(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeats: int) -> float:
-    fn(x)  # warm: compile, first touch
+def best_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Seconds of ``call()``, best of ``repeats`` after one untimed call (compiles, packs, first touch)."""
+    call()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(x)
+        call()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -170,8 +171,8 @@ def time_against(weight: torch.Tensor, current: Callable, rows: tuple[int, ...] 
     generator = torch.Generator().manual_seed(0)
     for n in rows:
         x = torch.randn(n, weight.shape[1], generator=generator).to(weight.dtype)
-        times[n] = (_seconds(lambda v: ours(v, None, None), x, repeats),
-                    _seconds(lambda v: current(v, weight, None), x, repeats))
+        times[n] = (best_seconds(lambda: ours(x, None, None), repeats),
+                    best_seconds(lambda: current(x, weight, None), repeats))
     return times
 
 

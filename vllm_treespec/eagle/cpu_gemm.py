@@ -11,11 +11,12 @@ verified."""
 from __future__ import annotations
 
 import logging
-import time
 import types
 import warnings
 
 import torch
+
+from vllm_treespec.cpu_gemm import best_seconds
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -93,11 +94,5 @@ def linear_seconds(module: torch.nn.Module, rows: int, repeats: int = 5) -> floa
             if not isinstance(layer, torch.nn.Linear):
                 continue
             x = torch.full((rows, layer.in_features), 0.01, dtype=layer.weight.dtype, device=layer.weight.device)
-            layer(x)  # the first call packs or allocates
-            best = float("inf")
-            for _ in range(repeats):
-                started = time.perf_counter()
-                layer(x)
-                best = min(best, time.perf_counter() - started)
-            total += best
+            total += best_seconds(lambda: layer(x), repeats)  # the untimed first call packs or allocates
     return total
