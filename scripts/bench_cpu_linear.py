@@ -2,6 +2,8 @@
 
 Every linear layer of SmolLM2-135M (30 x qkv, o, gate_up, down, and the LM head), each with its own random weight
 so that a pass streams the weights from memory as a real step does, is run once per pass at each row count; the
+fp32 weights hold bf16 values, as the model's do when its bf16 checkpoint runs in fp32 (``--fp32-values fp32``:
+values bf16 cannot hold, the case of a checkpoint trained and stored in fp32); the
 best of ``--repeats`` passes is printed per dtype and linear. vLLM's linear is what its CPU dispatch builds for the
 weight (oneDNN where it can build the matmul, else torch's linear): the same code path as in an engine, without
 our patch.
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fp32-values", choices=["bf16", "fp32"], default="bf16",
+                        help="what the fp32 weights hold: bf16 values (a bf16 checkpoint) or any fp32 value")
     args = parser.parse_args()
     torch.set_num_threads(1)  # vLLM's CPU worker here
 
@@ -45,7 +49,8 @@ def main() -> None:
     print("rows  " + "  ".join(f"{n:>7d}" for n in args.rows) + "   (ms per pass over every linear layer)")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
-        weights = [(torch.randn(n_out, n_in, generator=generator) * 0.02).to(dtype)
+        values = torch.bfloat16 if args.fp32_values == "bf16" else torch.float32
+        weights = [(torch.randn(n_out, n_in, generator=generator) * 0.02).to(values).to(dtype)
                    for n_out, n_in, layers in SMOLLM2_LINEARS for _ in range(layers)]
         linears = {"vllm": [vllm_linear(w) for w in weights], "numba": [NumbaLinear(w) for w in weights]}
         for name, fns in linears.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_treespec.cpu_gemm import NumbaLinear, chunk_rows, ours_is_faster, time_against
+from vllm_treespec.cpu_gemm import NumbaLinear, chunk_rows, holds_only_bf16_values, ours_is_faster, time_against
 
 # (out_features, in_features): a weight that is one partial chunk, one with several chunks and a ragged last chunk
 # whose row count is not a multiple of the 4-column block, and a wide input dimension
@@ -49,6 +49,27 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     assert torch.equal(linear(x[3:8]), batch[3:8])
 
 
+def test_an_fp32_weight_of_bf16_values_is_kept_as_bf16_and_multiplies_the_same():
+    """A bf16 checkpoint run in fp32: the weight is stored as its bf16 bits (half the bytes) and the output is the
+    fp32 weight's, bit for bit (the same fp32 products summed in the same order)."""
+    generator = torch.Generator().manual_seed(11)
+    weight = (torch.randn(SHAPES[1], generator=generator) * 0.05).to(torch.bfloat16).float()
+    x = torch.randn(5, weight.shape[1], generator=generator)
+    compact = NumbaLinear(weight)
+    assert holds_only_bf16_values(weight) and compact.compact and compact.stored.dtype == torch.bfloat16
+    out = compact(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference(x, weight, None), rtol=0, atol=1e-5)
+    # the same values as fp32 bits (one value nudged off bf16, then back) run the fp32 kernel: identical bits
+    nudged = weight.clone()
+    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(1.0))
+    wide = NumbaLinear(nudged)
+    assert not wide.compact and wide.stored.dtype == torch.float32
+    wide.stored[0, 0] = weight[0, 0]  # the kernel reads this storage
+    assert torch.equal(wide(x), out)
+    assert not holds_only_bf16_values(weight.to(torch.bfloat16))  # bf16 weights are bf16 already
+
+
 def test_a_weight_it_cannot_take_is_refused_by_name():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         NumbaLinear(torch.zeros(4, 4, dtype=torch.float16))
@@ -56,14 +77,22 @@ def test_a_weight_it_cannot_take_is_refused_by_name():
         NumbaLinear(torch.zeros(4, 4, 4))
 
 
-def test_the_choice_weighs_every_row_count_equally():
+def test_the_choice_weighs_every_row_count_equally_and_times_cold_weights(monkeypatch):
     assert ours_is_faster({1: (1.0, 2.0), 8: (1.0, 1.0)})
     assert not ours_is_faster({1: (1.2, 1.0), 8: (1.0, 1.0), 32: (1.0, 1.0)})
     # twice as slow at one row is not bought back by 1.5x faster at two others (2 + 0.67 + 0.67 > 3)
     assert not ours_is_faster({1: (2.0, 1.0), 8: (1.0, 1.5), 32: (1.0, 1.5)})
+    assert not ours_is_faster({1: (0.95, 1.0), 8: (0.95, 1.0)})  # a near tie keeps vLLM's linear
+    from vllm_treespec import cpu_gemm
+
+    assert cpu_gemm.last_level_cache_bytes() > 0
+    evictions = []
+    monkeypatch.setattr(cpu_gemm.CacheEvictor, "__call__", lambda self: evictions.append(len(self.buffer)))
     weight = torch.randn(16, 32)
     times = time_against(weight, lambda x, w, b: torch.nn.functional.linear(x, w, b), rows=(1, 3), repeats=1)
     assert set(times) == {1, 3} and all(t > 0 for pair in times.values() for t in pair)
+    # the caches are emptied before every timed call (2 row counts x 2 linears x 1 repeat), by reading twice the LLC
+    assert len(evictions) == 4 and evictions[0] * 8 >= min(2 * cpu_gemm.last_level_cache_bytes(), 512 << 20)
 
 
 class _Layer(torch.nn.Module):
@@ -73,8 +102,9 @@ class _Layer(torch.nn.Module):
 
 
 @pytest.fixture
-def dispatch(monkeypatch):
-    """vLLM's dispatch, patched, with a stand-in for the original that records its calls."""
+def dispatch(monkeypatch, tmp_path):
+    """vLLM's dispatch, patched, with a stand-in for the original that records its calls; choices saved under
+    a temporary cache."""
     from vllm.model_executor.layers import utils as layer_utils
 
     from vllm_treespec.patches import cpu_gemm
@@ -90,19 +120,24 @@ def dispatch(monkeypatch):
 
     assert layer_utils.dispatch_cpu_unquantized_gemm.__vllm_treespec_original__ is not original
     monkeypatch.setattr(cpu_gemm, "_choices", {})
+    monkeypatch.setenv("VLLM_TREESPEC_CACHE", str(tmp_path))
     # the installed patch calls vLLM's dispatch; the same wrapper is called here with the stand-in
     return (lambda layer, remove_weight: cpu_gemm.dispatch_wrapper(original, layer, remove_weight)), calls, cpu_gemm
 
 
-def test_numba_mode_installs_ours_and_keeps_the_weight(dispatch, monkeypatch):
+def test_numba_mode_installs_ours_and_removes_the_layers_weight_as_vllm_would(dispatch, monkeypatch):
     run, calls, cpu_gemm = dispatch
     monkeypatch.setenv(cpu_gemm.LINEAR_ENV, "numba")
     layer = _Layer()
+    weight = layer.weight.detach().clone()
     run(layer, True)
-    assert isinstance(layer.cpu_linear, NumbaLinear) and layer.weight.numel() == 12 * 20
+    assert isinstance(layer.cpu_linear, NumbaLinear) and layer.weight.numel() == 0  # ours holds it
     assert calls == [False] and cpu_gemm.kernel_summary() == "numba"
     x = torch.randn(3, 20).to(torch.bfloat16)
-    assert torch.equal(layer.cpu_linear(x, layer.weight, None), NumbaLinear(layer.weight)(x))
+    assert torch.equal(layer.cpu_linear(x, layer.weight, None), NumbaLinear(weight)(x))
+    kept = _Layer(shape=(12, 21))
+    run(kept, False)  # an embedding's weight (vLLM passes remove_weight=False) stays
+    assert kept.weight.numel() == 12 * 21 and isinstance(kept.cpu_linear, NumbaLinear)
 
 
 def test_when_vllms_linear_is_faster_vllms_own_dispatch_runs_as_it_would_have(dispatch, monkeypatch):
@@ -116,6 +151,40 @@ def test_when_vllms_linear_is_faster_vllms_own_dispatch_runs_as_it_would_have(di
     other = _Layer(torch.float32)
     run(other, False)  # same shape: the choice is reused, not timed again, and vLLM's linear stays
     assert calls == [False, True, False] and cpu_gemm.kernel_summary() == "vllm"
+
+
+def test_a_choice_is_saved_for_the_next_process_and_a_bad_file_is_timed_again(dispatch, monkeypatch, caplog):
+    run, calls, cpu_gemm = dispatch
+    monkeypatch.setenv(cpu_gemm.LINEAR_ENV, "auto")
+    timings = []
+
+    def ours_faster(weight, current):
+        timings.append(tuple(weight.shape))
+        return {1: (1.0, 2.0)}
+
+    monkeypatch.setattr("vllm_treespec.cpu_gemm.time_against", ours_faster)
+    run(_Layer(torch.float32), True)
+    assert timings == [(12, 20)]
+    path = cpu_gemm._cache_path(cpu_gemm._choice_key())
+    assert path.exists() and "float32 12x20" in path.read_text()
+    monkeypatch.setattr(cpu_gemm, "_choices", {})  # a new process: the saved choice is used, nothing is timed
+    layer = _Layer(torch.float32)
+    run(layer, True)
+    assert timings == [(12, 20)] and isinstance(layer.cpu_linear, NumbaLinear)
+    # fp32 weights holding only bf16 values are another choice (another kernel), timed on their own
+    bf16_valued = _Layer(torch.float32)
+    bf16_valued.weight.data = bf16_valued.weight.data.to(torch.bfloat16).float()
+    run(bf16_valued, True)
+    assert timings == [(12, 20), (12, 20)] and "float32 12x20 bf16-values" in path.read_text()
+    for bad in (b"{not json", b'{"key": {"device": "another CPU", "torch_version": "0", "vllm_version": "0", '
+                              b'"numba_version": "0", "torch_threads": 1}, "ours": {"float32 12x20": false}}'):
+        path.write_bytes(bad)
+        monkeypatch.setattr(cpu_gemm, "_choices", {})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vllm.treespec"):
+            run(_Layer(torch.float32), True)
+        assert "timing again" in caplog.text and len(timings) in (3, 4)
+    assert timings[-1] == (12, 20) and len(timings) == 4 and "float32 12x20" in path.read_text()
 
 
 def test_vllm_mode_and_layers_it_cannot_take_go_straight_to_vllm(dispatch, monkeypatch):
@@ -156,3 +225,8 @@ def test_under_torch_compile_the_linear_is_one_opaque_op():
     x = torch.randn(4, weight.shape[1], generator=generator).to(torch.bfloat16)
     compiled = torch.compile(lambda v, w: linear(v, w, None) * 2, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x, weight), linear(x) * 2)
+    # an fp32 weight kept as bf16 bits, its layer's weight removed: the op refers to the linear, not the layer
+    compact = NumbaLinear(weight.float())
+    empty = torch.empty(0)
+    compiled = torch.compile(lambda v, w: compact(v, w, None) + 1, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x.float(), empty), compact(x.float()) + 1)

@@ -3,9 +3,17 @@
 vLLM picks each dense layer's CPU GEMM once, at load time (zentorch, sgl-kernel, oneDNN, else torch's linear). On a
 CPU without AVX-512 its bf16 choice is torch's fallback, whose time grows linearly with the rows of a step, so every
 verified tree token costs about a decode step. After vLLM's choice this patch times it against
-:class:`vllm_treespec.cpu_gemm.NumbaLinear` on the layer's weight shape (once per shape and dtype in a process,
-~1-2 s per model) and keeps the faster. It applies to every CPU engine of a process where the plugin is enabled,
+:class:`vllm_treespec.cpu_gemm.NumbaLinear` on the layer's weight shape, the weight out of cache as in a step (once
+per shape and dtype, ~1-2 s per model), and keeps ours where it is clearly faster
+(:func:`vllm_treespec.cpu_gemm.ours_is_faster`). When vLLM would remove the layer's weight, ours holds what it
+multiplies by and the layer's weight is removed as vLLM does. It applies to every CPU engine of a process where the plugin is enabled,
 speculative or not, so that no speculation is measured with the same linear as the tree methods.
+
+The choices are kept on disk (``<cache>/cpu_linear/<key>.json``, keyed by the CPU, torch, vLLM, Numba and the
+thread count): every engine on a machine then runs the same linear on the same weights, so a speculative engine and
+a plain one sum in the same order (where the two linears are close in time a fresh timing could pick either, and
+fp32 outputs would then differ by rounding), and later engines start without timing. A corrupt or foreign file is
+ignored with one log line and timed again.
 
 ``VLLM_TREESPEC_CPU_LINEAR``: ``auto`` (default: measured), ``vllm`` (vLLM's choice, untimed), ``numba`` (ours
 wherever it applies, untimed).
@@ -13,9 +21,13 @@ wherever it applies, untimed).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import tempfile
+from pathlib import Path
 
+import msgspec
 import torch
 from vllm.model_executor.layers import utils as layer_utils
 
@@ -27,8 +39,80 @@ DISPATCH_PARAMS = ("layer", "remove_weight")
 LINEAR_ENV = "VLLM_TREESPEC_CPU_LINEAR"
 LINEAR_CHOICES = ("auto", "vllm", "numba")
 
-#: (dtype, out_features, in_features) -> ours is used; one timing per shape and process
-_choices: dict[tuple[torch.dtype, int, int], bool] = {}
+CACHE_SUBDIR = "cpu_linear"
+
+#: (dtype, out_features, in_features, fp32 holding only bf16 values) -> ours is used; one timing per shape and machine
+_choices: dict[tuple[torch.dtype, int, int, bool], bool] = {}
+
+
+class ChoiceKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a timing depends on besides the shape."""
+    device: str
+    torch_version: str
+    vllm_version: str
+    numba_version: str
+    torch_threads: int
+
+
+class ChoiceRecord(msgspec.Struct, forbid_unknown_fields=True):
+    key: ChoiceKey
+    ours: dict[str, bool] = {}  # "<dtype> <out>x<in>[ bf16-values]" -> ours is faster
+
+
+def _choice_key() -> ChoiceKey:
+    import numba
+    import vllm
+
+    from vllm_treespec.cost.measure import device_name
+
+    return ChoiceKey(device=device_name(), torch_version=str(torch.__version__), vllm_version=str(vllm.__version__),
+                     numba_version=str(numba.__version__), torch_threads=torch.get_num_threads())
+
+
+def _shape_name(shape: tuple[torch.dtype, int, int, bool]) -> str:
+    return f"{str(shape[0])[6:]} {shape[1]}x{shape[2]}" + (" bf16-values" if shape[3] else "")
+
+
+def _cache_path(key: ChoiceKey) -> Path:
+    from vllm_treespec.settings import default_cache_dir
+
+    digest = hashlib.sha256(msgspec.json.encode(key)).hexdigest()[:16]
+    return default_cache_dir() / CACHE_SUBDIR / f"{digest}.json"
+
+
+def _read_choices(key: ChoiceKey) -> dict[str, bool]:
+    """The choices saved on this machine for ``key``; {} (one log line if the file is bad) when there are none."""
+    path = _cache_path(key)
+    try:
+        record = msgspec.json.decode(path.read_bytes(), type=ChoiceRecord)
+    except FileNotFoundError:
+        return {}
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as error:
+        logger.warning("vllm_treespec CPU linear: ignoring the unreadable choices %s (%s); timing again", path, error)
+        return {}
+    if record.key != key:
+        logger.warning("vllm_treespec CPU linear: ignoring the choices %s made for another machine or version; "
+                       "timing again", path)
+        return {}
+    return record.ours
+
+
+def _save_choice(key: ChoiceKey, name: str, ours: bool) -> None:
+    """Add one choice to the file (read, merge, written atomically); a failure costs a timing next time only."""
+    path = _cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = ChoiceRecord(key=key, ours={**_read_choices(key), name: ours})
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(msgspec.json.format(msgspec.json.encode(record), indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as error:
+        logger.warning("vllm_treespec CPU linear: cannot save the choice to %s (%s)", path, error)
 
 
 def linear_mode() -> str:
@@ -60,16 +144,27 @@ def _choose(original, layer: torch.nn.Module, remove_weight: bool, mode: str) ->
     from vllm_treespec import cpu_gemm  # numba: imported where a CPU model loads, not at plugin registration
 
     weight = layer.weight
-    shape = (weight.dtype, int(weight.shape[0]), int(weight.shape[1]))
+    shape = (weight.dtype, int(weight.shape[0]), int(weight.shape[1]), cpu_gemm.holds_only_bf16_values(weight))
     original(layer, remove_weight=False)
     if mode == "numba":
         _choices[shape] = True
-    elif shape not in _choices:
-        times = cpu_gemm.time_against(weight, layer.cpu_linear)
-        _choices[shape] = cpu_gemm.ours_is_faster(times)
-        logger.info("vllm_treespec CPU linear %s %dx%d: %s (time ours / vLLM's: %s rows)", str(shape[0])[6:],
-                    shape[1], shape[2], "ours" if _choices[shape] else "vLLM's",
-                    ", ".join(f"{ours / theirs:.2f} at {n}" for n, (ours, theirs) in times.items()))
+        return True
+    if shape in _choices:
+        return _choices[shape]
+    key = _choice_key()
+    name = _shape_name(shape)
+    saved = _read_choices(key).get(name)
+    if saved is not None:
+        _choices[shape] = saved
+        logger.info("vllm_treespec CPU linear %s: %s (chosen earlier on this machine)", name,
+                    "ours" if saved else "vLLM's")
+        return saved
+    times = cpu_gemm.time_against(weight, layer.cpu_linear)
+    _choices[shape] = cpu_gemm.ours_is_faster(times)
+    logger.info("vllm_treespec CPU linear %s: %s (time ours / vLLM's: %s rows)", name,
+                "ours" if _choices[shape] else "vLLM's",
+                ", ".join(f"{ours / theirs:.2f} at {n}" for n, (ours, theirs) in times.items()))
+    _save_choice(key, name, _choices[shape])
     return _choices[shape]
 
 
@@ -86,7 +181,9 @@ def dispatch_wrapper(original, layer, remove_weight):
     if use_ours:
         from vllm_treespec.cpu_gemm import NumbaLinear
 
-        layer.cpu_linear = NumbaLinear(layer.weight)  # keeps the weight; vLLM's handler (and its copy) goes
+        layer.cpu_linear = NumbaLinear(layer.weight)  # holds its weight; vLLM's handler (and its copy) goes
+        if remove_weight:  # as vLLM's dispatch does: an fp32 weight kept as bf16 bits frees its fp32 copy
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
     elif remove_weight:
         original(layer, remove_weight)  # vLLM's own dispatch, exactly as it would have run
     return None
