@@ -36,3 +36,27 @@ def device_kind(vllm_config: Any) -> str:
     """Key of the per-device defaults: "cpu" or "other" (GPUs and other accelerators)."""
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
     return "cpu" if device == "cpu" else "other"
+
+
+def device_name() -> str:
+    """The accelerator's name, or on CPU the processor's model name with torch's CPU capability (AVX2, AVX512…):
+    the bf16 GEMM path depends on it."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return current_platform.get_device_name()
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    if not name:
+        import platform
+
+        name = platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"

@@ -29,6 +29,7 @@ import numpy as np
 
 from vllm_treespec.cost.model import (DEFAULT_CONTEXT_LEN, FORMAT_VERSION, CostCache, CostKey, CostRecord,
                                       StepCostModel, StepSample, context_excess, load_or_measure)
+from vllm_treespec.device_defaults import device_name
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -53,30 +54,6 @@ STARTUP_SWEEP = {"repeats": 3, "budget_s": 3.0}
 #: the machine was busy, or a machine that changed, is not kept for good
 SPOT_CHECK_POINTS = ((1, 1), (8, 1))
 SPOT_CHECK_TOLERANCE = 1.5
-
-
-def device_name() -> str:
-    """The accelerator's name, or on CPU the processor's model name with torch's CPU capability (AVX2, AVX512…):
-    the bf16 GEMM path depends on it."""
-    import torch
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return current_platform.get_device_name()
-    name = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    if not name:
-        import platform
-
-        name = platform.processor() or platform.machine()
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def cost_key(runner: Any) -> CostKey:

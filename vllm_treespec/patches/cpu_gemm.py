@@ -63,7 +63,7 @@ def _choice_key() -> ChoiceKey:
     import numba
     import vllm
 
-    from vllm_treespec.cost.measure import device_name
+    from vllm_treespec.device_defaults import device_name
 
     return ChoiceKey(device=device_name(), torch_version=str(torch.__version__), vllm_version=str(vllm.__version__),
                      numba_version=str(numba.__version__), torch_threads=torch.get_num_threads())
