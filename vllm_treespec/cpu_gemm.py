@@ -17,7 +17,7 @@ while it is in cache:
   output is what the fp32 weight gives with this kernel, bit for bit.
 
 :func:`time_against` and :func:`ours_is_faster` compare it with the linear vLLM chose for the same weight
-(:mod:`vllm_treespec.patches.cpu_gemm` keeps the faster): no CPU model or ISA is assumed.
+(:mod:`vllm_treespec.patches.cpu_gemm` keeps ours where it is clearly faster): no CPU model or ISA is assumed.
 """
 
 from __future__ import annotations
