@@ -17,7 +17,7 @@ while it is in cache:
   output is what the fp32 weight gives with this kernel, bit for bit.
 
 :func:`time_against` and :func:`ours_is_faster` compare it with the linear vLLM chose for the same weight
-(:mod:`vllm_treespec.patches.cpu_gemm` keeps ours where it is clearly faster): no CPU model or ISA is assumed.
+(:mod:`vllm_treespec.patches.cpu_gemm` keeps the faster): no CPU model or ISA is assumed.
 """
 
 from __future__ import annotations
@@ -229,12 +229,8 @@ def time_against(weight: torch.Tensor, current: Callable, rows: tuple[int, ...] 
     return times
 
 
-#: ours must take at most this share of vLLM's time (mean ratio over the timed row counts) to replace it: a near
-#: tie keeps vLLM's linear (stock numerics) instead of a coin toss decided by timing noise
-WIN_RATIO = 0.9
-
-
 def ours_is_faster(times: dict[int, tuple[float, float]]) -> bool:
-    """Ours wins when it is clearly faster over the timed row counts, each weighted equally (mean of the ratios
-    below :data:`WIN_RATIO`): a decode step counts as much as a tree step."""
-    return sum(ours / theirs for ours, theirs in times.values()) < WIN_RATIO * len(times)
+    """Ours wins when it is faster in total over the timed row counts, each weighted equally (sum of ratios):
+    a decode step counts as much as a tree step. (A near tie may go either way; the patch saves the choice, so
+    every engine on the machine makes the same one.)"""
+    return sum(ours / theirs for ours, theirs in times.values()) < len(times)

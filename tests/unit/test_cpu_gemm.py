@@ -82,7 +82,6 @@ def test_the_choice_weighs_every_row_count_equally_and_times_cold_weights(monkey
     assert not ours_is_faster({1: (1.2, 1.0), 8: (1.0, 1.0), 32: (1.0, 1.0)})
     # twice as slow at one row is not bought back by 1.5x faster at two others (2 + 0.67 + 0.67 > 3)
     assert not ours_is_faster({1: (2.0, 1.0), 8: (1.0, 1.5), 32: (1.0, 1.5)})
-    assert not ours_is_faster({1: (0.95, 1.0), 8: (0.95, 1.0)})  # a near tie keeps vLLM's linear
     from vllm_treespec import cpu_gemm
 
     assert cpu_gemm.last_level_cache_bytes() > 0

@@ -4,10 +4,10 @@ vLLM picks each dense layer's CPU GEMM once, at load time (zentorch, sgl-kernel,
 CPU without AVX-512 its bf16 choice is torch's fallback, whose time grows linearly with the rows of a step, so every
 verified tree token costs about a decode step. After vLLM's choice this patch times it against
 :class:`vllm_treespec.cpu_gemm.NumbaLinear` on the layer's weight shape, the weight out of cache as in a step (once
-per shape and dtype, ~1-2 s per model), and keeps ours where it is clearly faster
-(:func:`vllm_treespec.cpu_gemm.ours_is_faster`). When vLLM would remove the layer's weight, ours holds what it
-multiplies by and the layer's weight is removed as vLLM does. It applies to every CPU engine of a process where the
-plugin is enabled, speculative or not, so that no speculation is measured with the same linear as the tree methods.
+per shape and dtype, ~1-2 s per model), and keeps the faster (:func:`vllm_treespec.cpu_gemm.ours_is_faster`).
+When vLLM would remove the layer's weight, ours holds what it multiplies by and the layer's weight is removed as
+vLLM does. It applies to every CPU engine of a process where the plugin is enabled, speculative or not, so that no
+speculation is measured with the same linear as the tree methods.
 
 The choices are kept on disk (``<cache>/cpu_linear/<key>.json``, keyed by the CPU, torch, vLLM, Numba and the
 thread count): every engine on a machine then runs the same linear on the same weights, so a speculative engine and
