@@ -2,11 +2,12 @@
 
     python scripts/step_split.py --methods 'none;graft' --dtype bfloat16
     python scripts/step_split.py --methods 'none;graft:{"num_speculative_tokens":16}' --prompts "sharegpt[1000:1002]"
+    python scripts/step_split.py --batch-size 16 --prompts "sharegpt[1000:1016]" --max-tokens 64
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
-worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, one prompt at a time,
-``--max-tokens`` each. After a warm-up request, the functions of :data:`TIMED` are wrapped with ``perf_counter``
-timers. Printed per method: tok/s, engine steps, ms per step, the model forward's median per token count, and each
+worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
+prompts per generate call (default 1: one prompt at a time), ``--max-tokens`` each. After a warm-up request, the
+functions of :data:`TIMED` are wrapped with ``perf_counter`` timers. Printed per method: tok/s, engine steps, ms per step, the model forward's median per token count, and each
 timed function's milliseconds per engine step (inclusive; nested functions count in both). The wrappers cost about a
 microsecond per call, so functions called per layer read a little high. ``profile_worker.py`` (py-spy) shows the same
 worker under sampling, with the engine core in its own process. Never run it beside another torch job.
@@ -93,7 +94,8 @@ def run_child(args: argparse.Namespace) -> None:
     from vllm_treespec.tools.models import ensure_smollm2
 
     cpu_memory_defaults()
-    llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=2048, max_num_seqs=1,
+    llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=2048,
+              max_num_seqs=args.batch_size,
               enforce_eager=True, seed=0, speculative_config=json.loads(args.child))
     torch.set_num_threads(1)  # the in-process worker would use every core; vLLM's CPU worker has one here
     tokenizer = llm.get_tokenizer()
@@ -107,8 +109,9 @@ def run_child(args: argparse.Namespace) -> None:
     install_timers(totals, calls, forwards)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     started, tokens = time.perf_counter(), 0
-    for prompt in prompts:  # one at a time: batch 1
-        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    for first in range(0, len(prompts), args.batch_size):
+        outputs = llm.generate(prompts[first:first + args.batch_size], params, use_tqdm=False)
+        tokens += sum(len(output.outputs[0].token_ids) for output in outputs)
     elapsed = time.perf_counter() - started
     steps = max(calls["LLMEngine.step"], 1)
     print(f"  {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.2f} tok/s, {steps} engine steps, "
@@ -131,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 1000-1001, held out)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts per generate call (the engine's max_num_seqs)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -145,7 +150,8 @@ def main() -> int:
     for spec in parse_methods(args.methods):
         print(f"== {spec.label} ({args.dtype})", flush=True)
         command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()), "--dtype", args.dtype,
-                   "--prompts", args.prompts, "--max-tokens", str(args.max_tokens)] + (
+                   "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
+                   "--batch-size", str(args.batch_size)] + (
                        ["--model", args.model] if args.model else [])
         result = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
