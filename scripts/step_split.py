@@ -8,9 +8,10 @@ Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V
 worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
 prompts per generate call (default 1: one prompt at a time), ``--max-tokens`` each. After a warm-up request, the
 functions of :data:`TIMED` are wrapped with ``perf_counter`` timers. Printed per method: tok/s, engine steps, ms per
-step, the model forward's median per token count, and each timed function's milliseconds per engine step (inclusive; nested functions count in both). The wrappers cost about a
-microsecond per call, so functions called per layer read a little high. ``profile_worker.py`` (py-spy) shows the same
-worker under sampling, with the engine core in its own process. Never run it beside another torch job.
+step, the model forward's median per token count, and each timed function's milliseconds per engine step (inclusive;
+nested functions count in both). The wrappers cost about a microsecond per call, so functions called per layer read
+a little high. ``profile_worker.py`` (py-spy) shows the same worker under sampling, with the engine core in its own
+process. Never run it beside another torch job.
 """
 
 from __future__ import annotations
