@@ -5,6 +5,7 @@ here)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,20 @@ def default_cache_dir() -> Path:
     """``$VLLM_TREESPEC_CACHE`` if set, else ``~/.cache/vllm_treespec``: converted models, trained heads, work files."""
     env = os.environ.get(CACHE_DIR_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm_treespec"
+
+
+def write_json_atomically(path: Path, value: Any) -> None:
+    """``value`` as indented JSON (msgspec) at ``path``, through a temporary file renamed into place, so that a reader
+    never sees half a file; creates the folder. Raises OSError (the temporary file removed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(value), indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def treespec_settings(vllm_config: Any) -> dict[str, Any] | None:

@@ -31,14 +31,13 @@ import logging
 import math
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import msgspec
 import numpy as np
 
-from vllm_treespec.settings import default_cache_dir
+from vllm_treespec.settings import default_cache_dir, write_json_atomically
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -387,15 +386,7 @@ class CostCache:
         writable."""
         path = self.path(record.key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(msgspec.json.format(msgspec.json.encode(record), indent=1))
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_json_atomically(path, record)
         except OSError as e:
             logger.warning("vllm_treespec: cannot write the cost-model cache %s (%s)", path, e)
             return None

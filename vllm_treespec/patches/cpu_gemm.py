@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import msgspec
@@ -99,18 +98,11 @@ def _read_choices(key: ChoiceKey) -> dict[str, bool]:
 
 def _save_choice(key: ChoiceKey, name: str, ours: bool) -> None:
     """Add one choice to the file (read, merge, written atomically); a failure costs a timing next time only."""
+    from vllm_treespec.settings import write_json_atomically
+
     path = _cache_path(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = ChoiceRecord(key=key, ours={**_read_choices(key), name: ours})
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(msgspec.json.format(msgspec.json.encode(record), indent=1))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json_atomically(path, ChoiceRecord(key=key, ours={**_read_choices(key), name: ours}))
     except OSError as error:
         logger.warning("vllm_treespec CPU linear: cannot save the choice to %s (%s)", path, error)
 
