@@ -190,6 +190,8 @@ class ProposeContext:
     probing: the step budget's gate drafts this step only to learn what the trees are worth now (it had stopped
         drafting because they did not pay): draft as fully as you can, or the probe measures a lesser tree than the
         one you would draft once drafting pays (graft's head drafts on every probe).
+    draft_rows: when set, the rows asked for a tree this step (a probe under load drafts for as many requests as
+        it can verify nodes of); ``needs_draft`` is False for the others. None: every row that needs one.
     expectation_factor: the step budget's recent accepted-over-expected drafts, by which it scales every calibrated
         path probability before weighing the nodes (1.0 without a budget): a proposer's own gate prices its trees
         as the verifier will (``DraftGate.record(trees, scale=...)``).
@@ -214,6 +216,7 @@ class ProposeContext:
     probing: bool = False
     expectation_factor: float = 1.0
     row_excess: np.ndarray | None = None
+    draft_rows: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -223,7 +226,7 @@ class ProposeContext:
         return self.token_ids[i, : int(self.num_tokens[i])]
 
     def needs_draft(self, i: int) -> bool:
-        return len(self.sampled_token_ids[i]) > 0
+        return len(self.sampled_token_ids[i]) > 0 and (self.draft_rows is None or bool(self.draft_rows[i]))
 
 
 @dataclass

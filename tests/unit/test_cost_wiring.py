@@ -302,3 +302,30 @@ def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():
     verifier.attach(scheduler_output, num_scheduled)
     computed = verifier.runner.input_batch.num_computed_tokens_cpu[:3]
     assert verifier.budget._excess == pytest.approx(float(np.sum(num_scheduled * (computed + num_scheduled))))
+
+
+def test_a_probe_under_load_drafts_for_as_many_requests_as_it_verifies_nodes():
+    """Where a node costs 20 ms over a 50 ms step and nothing pays, a probe's allowance verifies a node or two: the
+    proposer is asked for that many requests' trees (``ctx.needs_draft``), each probe taking the next requests in
+    turn, not for every request's (a drafter's call for all of them cost more than the probe verifies). The first
+    probe, with nothing known yet, asks every request."""
+    weak = DraftTree(np.array([10, 11]), np.array([-1, -1], np.int32), np.array([0.2, 0.1], np.float32),
+                     np.full(2, -1, np.int32))
+    verifier = verifier_with(lambda t: 0.05 + 0.02 * (t - 1), {"a": weak, "b": weak, "c": weak})
+    proposer, gate = verifier.proposer, verifier.budget.gate
+    asked, counts, priced = [], [], []
+    drafted = verifier.budget.drafted
+    verifier.budget.drafted = lambda num_reqs, seconds: (priced.append(num_reqs), drafted(num_reqs, seconds))
+    for _ in range(200):
+        calls = len(proposer.contexts)
+        drafts = verifier.propose([[9], [3], [6]])
+        if len(proposer.contexts) > calls:
+            ctx = proposer.contexts[-1]
+            asked.append([i for i in range(3) if ctx.needs_draft(i)])
+            counts.append(gate.probe_requests)
+            assert [i for i, d in enumerate(drafts) if d] == [i for i in asked[-1] if drafts[i]]
+    assert asked[0] == [0, 1, 2] and counts[0] is None  # nothing known yet
+    # the first allowance pays for one node: one request; the next (twice the wait) for two: the next two
+    assert asked[1:3] == [[0], [1, 2]] and counts[1:3] == [1, 2]
+    assert all(len(a) == (c or 3) for a, c in zip(asked, counts))
+    assert priced == [len(a) for a in asked]  # each call is priced for the requests it was asked for

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eagle_helpers import HIDDEN, VOCAB, check_chain_matches_unrolled_forward, draft_context, small_head
-from vllm_treespec.eagle.drafter import EagleDrafter
+from vllm_treespec.eagle.drafter import EagleDrafter, _contiguous_runs
 from vllm_treespec.eagle.model import Eagle3Head
 from vllm_treespec.proposers.eagle_tree import EagleTreeOptions
 
@@ -331,3 +331,35 @@ def test_observed_steps_keep_the_cache_whole(tmp_path, monkeypatch, deferred_row
     assert observed.parents.tolist() == every.parents.tolist()
     assert observed.node_probs == pytest.approx(every.node_probs, rel=1e-5)
     assert not np.allclose(skipped.node_probs, every.node_probs, rtol=1e-3)  # the test can tell a hole
+    if deferred_rows > 1:
+        observed_drafter = []
+        drafted(lambda d, ctx: (observed_drafter.append(d), d.observe(ctx)))
+        assert observed_drafter[0]._deferred_rows == 0 and not observed_drafter[0]._deferred  # all written
+
+
+def test_query_rows_leave_keys_and_values_unchanged(tmp_path):
+    """Rows only written to the draft cache get keys and values but no query: q of the asked rows is the full q at
+    those rows, k and v are unchanged, and asking for no row runs no query projection."""
+    head, _ = small_head(tmp_path, seed=3)
+    tokens = torch.randint(0, VOCAB, (9,))
+    hidden = torch.randn(9, HIDDEN)
+    positions = torch.arange(20, 29)
+    with torch.inference_mode():
+        q, k, v = head.layer_inputs(tokens, hidden, positions)
+        some_q, some_k, some_v = head.layer_inputs(tokens, hidden, positions, torch.tensor([2, 8]))
+        head.midlayer.self_attn.q_proj.forward = None  # calling it now fails
+        no_q, no_k, no_v = head.layer_inputs(tokens, hidden, positions, torch.tensor([], dtype=torch.long))
+    assert torch.allclose(some_q, q[[2, 8]], atol=1e-6) and some_q.shape == (2, *q.shape[1:])
+    assert no_q.shape == (0, *q.shape[1:])
+    for kk, vv in ((some_k, some_v), (no_k, no_v)):
+        assert torch.equal(kk, k) and torch.equal(vv, v)
+
+
+def test_deferred_segments_are_written_in_contiguous_runs():
+    """A request's segments whose positions follow on are one write; a gap (rows never seen) or another request
+    starts a new one."""
+    def piece(row, start, n):
+        return row, None, None, np.arange(start, start + n)
+
+    pieces = [piece(0, 10, 1), piece(0, 11, 3), piece(0, 20, 2), piece(1, 5, 1), piece(1, 6, 1), piece(0, 22, 1)]
+    assert _contiguous_runs(pieces) == [(0, 10, 4), (0, 20, 2), (1, 5, 2), (0, 22, 1)]

@@ -256,7 +256,10 @@ class DraftGate:
     verified nodes. Where a verified token costs most of a step (bf16 on an AVX2 CPU) a probe of 16 nodes would cost
     ten plain steps; there a probe verifies a node or two, while on a flat curve (GPUs) it verifies whole trees. A
     probe waits, past its schedule, until the allowance pays for one node: one that can verify none only costs the
-    drafter's call. That call is not counted against the allowance: the back-off keeps its share small.
+    drafter's call. That call is not counted against the allowance (the back-off keeps its share small), but it is
+    asked for only as many requests as the allowance verifies nodes (``probe_requests``): the allocation admits no
+    more nodes than that, and an EAGLE head's call for every request of a 16-request CPU step cost about two plain
+    steps per probe.
     Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
@@ -279,6 +282,8 @@ class DraftGate:
         self.probe_share = probe_share
         self.allowance = 0.0  # seconds the skipped steps since the last probe set aside for the next one
         self.probe_seconds: float | None = None  # the last probe's verification allowance (None: not capped)
+        #: requests the last probe drafts for (None: all): as many as its allowance verifies nodes
+        self.probe_requests: int | None = None
         self.marginal = None  # per-request expected gain of its j-th best node (a property: see _gain_prefix)
         self.skipped = 0
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
@@ -365,7 +370,7 @@ class DraftGate:
         """``row_excess``: the context term of one of the requests' rows, on average (None: at the curve's
         context)."""
         self.probing = False
-        self.probe_seconds = None
+        self.probe_seconds = self.probe_requests = None
         self.last_rates = None
         if num_reqs <= 0:
             return False
@@ -382,9 +387,11 @@ class DraftGate:
             self.skipped = 0
             self.interval = self.probe_every
             return True
-        if self.skipped >= self.interval and self._affords_a_node(num_reqs, base_tokens, row_excess):
-            allowance, self.allowance = self.allowance, 0.0
-            return self._probe(allowance)
+        if self.skipped >= self.interval:
+            affordable = self._affordable_nodes(num_reqs, base_tokens, row_excess, limit=num_reqs)
+            if affordable:
+                allowance, self.allowance = self.allowance, 0.0
+                return self._probe(allowance, requests=affordable)
         if after_probe:  # what the probe learned does not pay either
             self.interval = min(2 * self.interval, self.max_probe_every)
         self.skipped += 1
@@ -392,16 +399,21 @@ class DraftGate:
             self.allowance += self.probe_share * num_reqs / plain  # a share of the plain step's predicted seconds
         return False
 
-    def _affords_a_node(self, num_reqs: int, base_tokens: int | None, row_excess: float | None = None) -> bool:
-        """Whether the allowance pays for verifying one node in a step of ``num_reqs`` decoding requests."""
+    def _affordable_nodes(self, num_reqs: int, base_tokens: int | None, row_excess: float | None,
+                          limit: int) -> int:
+        """How many nodes (at most ``limit``) the allowance pays for verifying in a step of ``num_reqs`` decoding
+        requests."""
         base = num_reqs if base_tokens is None else base_tokens
-        excess = None if row_excess is None else np.array([num_reqs, num_reqs + 1], np.float64) * row_excess
-        seconds = _predict(self.cost, np.array([base, base + 1]), num_reqs, excess)
-        return float(seconds[1] - seconds[0]) <= self.allowance + ROUNDING_SECONDS
+        extra = np.arange(limit + 1, dtype=np.float64)
+        seconds = _predict(self.cost, base + extra, num_reqs,
+                           None if row_excess is None else (num_reqs + extra) * row_excess)
+        return int(np.count_nonzero(seconds[1:] - seconds[0] <= self.allowance + ROUNDING_SECONDS))
 
-    def _probe(self, seconds: float | None) -> bool:
-        """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped)."""
+    def _probe(self, seconds: float | None, requests: int | None = None) -> bool:
+        """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped),
+        for at most ``requests`` requests (None: all)."""
         self.skipped = 0
         self.probing = self._after_probe = True
         self.probe_seconds = seconds
+        self.probe_requests = requests
         return True

@@ -110,6 +110,7 @@ class EagleDrafter:
         self._tick = 0
         #: committed rows of steps that did not draft, by request: (aux hidden rows, tokens, positions), in order
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
+        self._deferred_rows = 0  # rows in _deferred
         #: skip frontier nodes that cannot reach the kept tree (exact; off only to test that it is exact)
         self.prune_frontier = True
         #: head rows drafted past depth 1 (expansion work), for tests and profiling
@@ -200,7 +201,7 @@ class EagleDrafter:
     def release(self, req_ids) -> None:
         for r in req_ids:
             self.states.pop(r, None)
-            self._deferred.pop(r, None)
+            self._deferred_rows -= sum(len(p) for _, _, p in self._deferred.pop(r, ()))
 
     # --- the target's K/V (KV-aware heads) ---------------------------------------------------------------------
     def _sync_target_kv(self, ctx: ProposeContext, i: int, st: _RequestState, end: int) -> None:
@@ -275,7 +276,8 @@ class EagleDrafter:
             return
         for i, aux, tokens, positions in segments:
             self._deferred.setdefault(ctx.req_ids[i], []).append((aux, tokens, positions))
-        if sum(len(p) for segments in self._deferred.values() for _, _, p in segments) >= DEFERRED_ROWS:
+            self._deferred_rows += len(positions)
+        if self._deferred_rows >= DEFERRED_ROWS:
             self._write_segments(ctx, [])
 
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
@@ -292,53 +294,59 @@ class EagleDrafter:
             offset += b - a
         return out
 
-    def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]]):
-        """Write the K/V of every deferred segment of the requests in ``ctx``, then of ``current`` (this step's
-        rows), in one batch through the head's layer inputs. Returns (hidden, q) of all rows written and each current
-        segment's offset in them (the rows :meth:`ingest` attends from)."""
+    def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]],
+                        asked: Sequence[int] = ()):
+        """Write the K/V of every deferred segment of the requests in ``ctx`` and of ``current`` (this step's rows)
+        in one batch through the head's layer inputs, a request's consecutive segments as one write. Returns the
+        head's hidden rows and queries at the last row of the current segments of batch rows ``asked`` (the rows
+        :meth:`ingest` attends from), in that order; queries of the other rows are never computed."""
         row_of = {req_id: i for i, req_id in enumerate(ctx.req_ids)}
+        current_of = {ctx.req_ids[segment[0]]: segment for segment in current}
         pieces: list[tuple[int, Any, np.ndarray, np.ndarray]] = []
-        for req_id in [r for r in self._deferred if r in row_of]:
-            pieces += [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id)]
-        first_current = len(pieces)
-        pieces += current
+        last_rows: dict[str, int] = {}  # request -> its current segment's last row in the batch
+        rows = 0
+        for req_id in [r for r in self._deferred if r in row_of] + [r for r in current_of if r not in self._deferred]:
+            segments = [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id, ())]
+            self._deferred_rows -= sum(len(p) for _, _, _, p in segments)
+            if req_id in current_of:
+                segments.append(current_of[req_id])
+            pieces += segments
+            rows += sum(len(p) for _, _, _, p in segments)
+            if req_id in current_of:
+                last_rows[req_id] = rows - 1
         if not pieces:
-            return None, None, []
+            return None, None
         head = self.head
         with torch.inference_mode():
             hidden = head.combine(torch.cat([aux for _, aux, _, _ in pieces]).to(self.dtype))
             tok = torch.from_numpy(np.concatenate([t for _, _, t, _ in pieces]).astype(np.int64))
             pos = torch.from_numpy(np.concatenate([p for _, _, _, p in pieces]))
-            q, k, v = head.layer_inputs(tok, hidden, pos)
-            offset, starts = 0, []
-            for j, (i, _, _, p) in enumerate(pieces):
-                n = len(p)
-                self._write_committed(ctx, i, int(p[0]), n, k[offset: offset + n], v[offset: offset + n])
-                if j >= first_current:
-                    starts.append(offset)
+            query_rows = torch.tensor([last_rows[ctx.req_ids[i]] for i in asked], dtype=torch.long)
+            q, k, v = head.layer_inputs(tok, hidden, pos, query_rows)
+            offset = 0
+            for i, p0, n in _contiguous_runs(pieces):
+                self._write_committed(ctx, i, p0, n, k[offset: offset + n], v[offset: offset + n])
                 offset += n
-        return hidden, q, starts
+        return hidden[query_rows], q
 
     def ingest(self, ctx: ProposeContext) -> list[int]:
         """Feed every request's committed rows (and those deferred by :meth:`observe`); returns the batch rows whose
-        depth-1 output is ready."""
+        depth-1 output is ready: those that need a draft (``ctx.needs_draft``)."""
         if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
             return []
         current = self._segments(ctx)
-        hidden, q, starts = self._write_segments(ctx, current)
-        if not current:
+        rows = [i for i, _, _, _ in current if ctx.needs_draft(i)]
+        hidden, q = self._write_segments(ctx, current, rows)
+        if not rows:
             return []
-        rows = [i for i, _, _, _ in current]
         with torch.inference_mode():
-            outs, last_hidden, groups = [], [], []
-            for (i, _, _, p), start in zip(current, starts):
+            outs, groups = [], []
+            for j, i in enumerate(rows):
                 st = self.states[ctx.req_ids[i]]
                 groups.append((st, 1, st.last_position))
-                last = start + len(p) - 1
                 mask = st.written[: st.length][None, :]
-                outs.append(self._attend(q[last: last + 1], st, st.length, mask))
-                last_hidden.append(hidden[last: last + 1])
-            normed, r2 = self._outputs(torch.cat(outs), torch.cat(last_hidden), groups)
+                outs.append(self._attend(q[j: j + 1], st, st.length, mask))
+            normed, r2 = self._outputs(torch.cat(outs), hidden, groups)
             for j, i in enumerate(rows):
                 st = self.states[ctx.req_ids[i]]
                 st.last_normed, st.last_r2 = normed[j], r2[j]
@@ -472,6 +480,19 @@ def _committed_rows(ctx: ProposeContext) -> tuple[list[int], list[tuple[int, int
         tokens.append(ctx.token_ids[i, p0 + 1: p0 + n + 1])
         positions.append(np.arange(p0, p0 + n))
     return rows, spans, tokens, positions
+
+
+def _contiguous_runs(pieces: list[tuple[int, Any, np.ndarray, np.ndarray]]) -> list[tuple[int, int, int]]:
+    """(batch row, first position, rows) of each run of consecutive pieces of one request whose positions follow on
+    (a run is written as one)."""
+    runs: list[list[int]] = []
+    for i, _, _, positions in pieces:
+        p0, n = int(positions[0]), len(positions)
+        if runs and runs[-1][0] == i and runs[-1][1] + runs[-1][2] == p0:
+            runs[-1][2] += n
+        else:
+            runs.append([i, p0, n])
+    return [(i, p0, n) for i, p0, n in runs]
 
 
 def _write_frontier(g: _Growing, k, v) -> int:

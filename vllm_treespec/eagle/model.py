@@ -151,12 +151,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(inp, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, query_rows: torch.Tensor | None = None):
+        """q, k, v of rows ``x``; q only of ``query_rows`` (indices into the last row dimension) when given."""
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
         k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        k = apply_rope(k, cos, sin)
+        if query_rows is not None:
+            x, cos, sin = x[..., query_rows, :], cos[..., query_rows, :], sin[..., query_rows, :]
+            if x.shape[-2] == 0:  # no GEMM of zero rows (not every CPU linear takes one)
+                return x.new_empty(*x.shape[:-1], self.heads, self.head_dim), k, v
+        q = self.q_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+        return apply_rope(q, cos, sin), k, v
 
 
 class MidLayer(nn.Module):
@@ -225,13 +231,15 @@ class Eagle3Head(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def layer_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
-        """q, k, v ([..., T, heads|kv_heads, D]) of the layer for inputs (token, hidden) at ``positions``."""
+    def layer_inputs(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                     query_rows: torch.Tensor | None = None):
+        """q, k, v ([..., T, heads|kv_heads, D]) of the layer for inputs (token, hidden) at ``positions``; q only of
+        ``query_rows`` when given (rows written to the cache but never attended from need no query)."""
         layer = self.midlayer
         embeds = layer.input_layernorm(self.embed(tokens).to(hidden.dtype))
         x = torch.cat([embeds, layer.hidden_norm(hidden)], dim=-1)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        return layer.self_attn.qkv(x, cos.to(hidden.dtype), sin.to(hidden.dtype))
+        return layer.self_attn.qkv(x, cos.to(hidden.dtype), sin.to(hidden.dtype), query_rows)
 
     def layer_outputs(self, attn: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attn: [..., T, heads, D] attention output; returns (normed output for logits, prenorm r2 for the next step)."""

@@ -71,6 +71,7 @@ class TreeVerifier:
         #: and learns step times; None = trees run as proposed
         self.budget: Any = None
         self._tree_seconds = 0.0  # this step's host work on trees so far (attach, acceptance, compaction)
+        self._probe_cursor = 0  # where the next probe that drafts for some requests takes its first
         #: acceptance rates by source and raw confidence, learned from every step's committed tokens: they turn
         #: node_probs into acceptance probabilities for the budget, and graft ranks its sources by them
         self.acceptance = AcceptanceTracker(getattr(proposer, "acceptance_sources", ()))
@@ -166,7 +167,8 @@ class TreeVerifier:
 
     def _draft(self, ctx: ProposeContext) -> tuple[list[DraftTree | None], int]:
         """The proposer's trees, and the requests it drafted for (0 when it was not called); no trees at all when
-        the budget's gate says drafting would not pay (then the proposer only observes the step).
+        the budget's gate says drafting would not pay (then the proposer only observes the step). A probe asks only
+        for as many requests' trees as its allowance verifies nodes (``ctx.draft_rows``).
         The gate prices the drafting requests' rows by ``ctx.row_excess``."""
         budget = self.budget
         row_excess = ctx.row_excess
@@ -177,11 +179,22 @@ class TreeVerifier:
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
+        if ctx.probing and budget.gate.probe_requests is not None and budget.gate.probe_requests < drafting:
+            ctx.draft_rows = self._probe_rows(rows, budget.gate.probe_requests, ctx.num_reqs)
+            drafting = budget.gate.probe_requests
         trees = self.proposer.propose_trees(ctx)
         if len(trees) != ctx.num_reqs:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
                                f"for {ctx.num_reqs} requests")
         return trees, drafting  # propose() times the call with the work on its trees that follows
+
+    def _probe_rows(self, rows: list[int], count: int, num_reqs: int) -> np.ndarray:
+        """A mask of ``count`` of ``rows``, taken in turn from one probe to the next (every request is probed)."""
+        start = self._probe_cursor % len(rows)
+        self._probe_cursor = start + count
+        mask = np.zeros(num_reqs, dtype=bool)
+        mask[[rows[(start + j) % len(rows)] for j in range(count)]] = True
+        return mask
 
     # --- hook: after _prepare_inputs -------------------------------------------------------------------------
     def attach(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> None:
