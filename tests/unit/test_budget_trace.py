@@ -56,6 +56,7 @@ def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     first = lines[0]
     assert first["gate"] == "probe" and first["admitted"] == 4 and first["tokens"] == 5 and first["reqs"] == 1
     assert first["factor"] == pytest.approx(1.0) and first["forward_ms"] >= 0.0
+    assert first["predicted_ms"] == pytest.approx(50.0)  # the flat 50 ms curve, before the step refined it
     assert first["accepted"] == 0  # the step committed only the target's token
     assert lines[1]["gate"] == "draft" and lines[1]["best"] > lines[1]["plain"] > 0
     summary = trace.summarize(lines)
@@ -77,3 +78,16 @@ def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):
     assert whole["accepted_per_verifying_step"] == 3 and whole["mean_factor"] == pytest.approx(0.75)
     assert trace.summarize(read, 1.5, 3.5)["steps"] == 1
     assert trace.summarize(read, 10.0) == {"steps": 0}
+    assert whole["prediction_error"] is None  # no step has a prediction and a time
+
+
+def test_summaries_say_how_far_the_model_predicted_the_steps():
+    """Predicted against measured forwards, by steps that verified drafts and steps that did not."""
+    lines = [{"t": 1.0, "reqs": 4, "tokens": 4, "predicted_ms": 110.0, "forward_ms": 100.0},
+             {"t": 2.0, "reqs": 4, "tokens": 4, "predicted_ms": 120.0, "forward_ms": 100.0},
+             {"t": 3.0, "reqs": 4, "tokens": 4, "predicted_ms": 130.0, "forward_ms": 100.0},
+             {"t": 4.0, "reqs": 4, "tokens": 20, "admitted": 16, "predicted_ms": 180.0, "forward_ms": 200.0},
+             {"t": 5.0, "reqs": 4, "tokens": 4, "forward_ms": 100.0}]  # no prediction: not counted
+    error = trace.summarize(lines)["prediction_error"]
+    assert error["plain"] == pytest.approx(0.2) and error["verifying"] == pytest.approx(-0.1)
+    assert error["absolute"] == pytest.approx(0.15)

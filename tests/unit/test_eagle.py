@@ -363,3 +363,20 @@ def test_deferred_segments_are_written_in_contiguous_runs():
 
     pieces = [piece(0, 10, 1), piece(0, 11, 3), piece(0, 20, 2), piece(1, 5, 1), piece(1, 6, 1), piece(0, 22, 1)]
     assert _contiguous_runs(pieces) == [(0, 10, 4), (0, 20, 2), (1, 5, 2), (0, 22, 1)]
+
+
+def test_ingest_writes_every_row_and_attends_only_for_rows_that_draft(tmp_path):
+    """A row that does not draft this step (a partial prefill, or one a probe does not ask: ``ctx.draft_rows``)
+    still has its K/V written, so a later draft sees the whole context; only rows that draft get a depth-1 output."""
+    head, path = small_head(tmp_path, seed=5)
+    seq = np.random.default_rng(5).integers(0, VOCAB, size=40)
+    aux = torch.randn(40, 3, HIDDEN)
+    drafter = EagleDrafter(path, depth=4, top_k=4)
+    drafter.load(head.embed.weight)
+    ctx = draft_context(seq, aux, 0, 20, sampled=[int(seq[20])])
+    ctx.draft_rows = np.array([False])
+    assert drafter.ingest(ctx) == []
+    state = drafter.states["r"]
+    assert state.length == 20 and bool(state.written[:20].all()) and state.last_normed is None
+    ctx = draft_context(seq, aux, 20, 30, sampled=[int(seq[30])])
+    assert drafter.ingest(ctx) == [0] and state.length == 30 and state.last_normed is not None

@@ -199,6 +199,8 @@ class StepBudget:
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3)
+            if num_tokens > 0 and num_reqs > 0:  # before this step's time refines the model
+                self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess) * 1e3)
         self._previous = (now, int(num_tokens), int(num_reqs), None) if num_tokens > 0 and num_reqs > 0 else None
 
     def step_finished(self) -> None:

@@ -5,6 +5,7 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
 
     t          wall-clock seconds at the forward's start (``time.time()``, to align with a client's clock)
     reqs       requests in the step;  tokens: tokens in the forward;  forward_ms: its measured time
+    predicted_ms  the step-cost model's prediction of that forward, before its time refined the model
     host_ms    the host time per step the budget charges (a running median)
     gate       "draft", "probe" or "skip" (the drafter gate's decision), absent when the gate was not asked
     best, plain  the gate's predicted rates (tokens/s) with drafting and without, when it decided on them
@@ -21,6 +22,7 @@ a write per step; it is off unless the variable is set.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import IO, Any, Iterable
@@ -128,4 +130,22 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "mean_factor": sum(factors) / len(factors) if factors else None,
         "forward_ms": sum(s.get("forward_ms", 0.0) for s in steps) / len(steps),
         "host_ms": steps[-1].get("host_ms"),
+        "prediction_error": prediction_error(steps),
     }
+
+
+def prediction_error(steps: list[dict[str, Any]]) -> dict[str, float] | None:
+    """How far the step-cost model's predictions were from the forwards they predicted: the median of
+    predicted / measured − 1 over the steps that verified drafts and over those that did not (None for a kind without
+    steps), and the median absolute error over all; None when no step has both."""
+    timed = [s for s in steps if s.get("predicted_ms") and s.get("forward_ms")]
+    if not timed:
+        return None
+
+    def median(values: list[float]) -> float | None:
+        return float(statistics.median(values)) if values else None
+
+    error = {id(s): s["predicted_ms"] / s["forward_ms"] - 1.0 for s in timed}
+    return {"plain": median([error[id(s)] for s in timed if not s.get("admitted")]),
+            "verifying": median([error[id(s)] for s in timed if s.get("admitted")]),
+            "absolute": median([abs(e) for e in error.values()])}
