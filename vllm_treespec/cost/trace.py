@@ -138,14 +138,14 @@ def prediction_error(steps: list[dict[str, Any]]) -> dict[str, float] | None:
     """How far the step-cost model's predictions were from the forwards they predicted: the median of
     predicted / measured − 1 over the steps that verified drafts and over those that did not (None for a kind without
     steps), and the median absolute error over all; None when no step has both."""
-    timed = [s for s in steps if s.get("predicted_ms") and s.get("forward_ms")]
-    if not timed:
+    errors = [(s["predicted_ms"] / s["forward_ms"] - 1.0, bool(s.get("admitted")))
+              for s in steps if s.get("predicted_ms") and s.get("forward_ms")]
+    if not errors:
         return None
 
     def median(values: list[float]) -> float | None:
         return float(statistics.median(values)) if values else None
 
-    error = {id(s): s["predicted_ms"] / s["forward_ms"] - 1.0 for s in timed}
-    return {"plain": median([error[id(s)] for s in timed if not s.get("admitted")]),
-            "verifying": median([error[id(s)] for s in timed if s.get("admitted")]),
-            "absolute": median([abs(e) for e in error.values()])}
+    return {"plain": median([e for e, verifying in errors if not verifying]),
+            "verifying": median([e for e, verifying in errors if verifying]),
+            "absolute": median([abs(e) for e, _ in errors])}

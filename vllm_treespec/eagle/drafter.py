@@ -303,25 +303,23 @@ class EagleDrafter:
         row_of = {req_id: i for i, req_id in enumerate(ctx.req_ids)}
         current_of = {ctx.req_ids[segment[0]]: segment for segment in current}
         pieces: list[tuple[int, Any, np.ndarray, np.ndarray]] = []
-        last_rows: dict[str, int] = {}  # request -> its current segment's last row in the batch
-        rows = 0
+        current_piece: dict[str, int] = {}  # request -> index of its current segment in pieces
         for req_id in [r for r in self._deferred if r in row_of] + [r for r in current_of if r not in self._deferred]:
-            segments = [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id, ())]
-            self._deferred_rows -= sum(len(p) for _, _, _, p in segments)
+            deferred = [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id, ())]
+            self._deferred_rows -= sum(len(p) for _, _, _, p in deferred)
+            pieces += deferred
             if req_id in current_of:
-                segments.append(current_of[req_id])
-            pieces += segments
-            rows += sum(len(p) for _, _, _, p in segments)
-            if req_id in current_of:
-                last_rows[req_id] = rows - 1
+                current_piece[req_id] = len(pieces)
+                pieces.append(current_of[req_id])
         if not pieces:
             return None, None
+        ends = np.cumsum([len(p) for _, _, _, p in pieces])  # one past each piece's last row in the batch
         head = self.head
         with torch.inference_mode():
             hidden = head.combine(torch.cat([aux for _, aux, _, _ in pieces]).to(self.dtype))
             tok = torch.from_numpy(np.concatenate([t for _, _, t, _ in pieces]).astype(np.int64))
             pos = torch.from_numpy(np.concatenate([p for _, _, _, p in pieces]))
-            query_rows = torch.tensor([last_rows[ctx.req_ids[i]] for i in asked], dtype=torch.long)
+            query_rows = torch.tensor([ends[current_piece[ctx.req_ids[i]]] - 1 for i in asked], dtype=torch.long)
             q, k, v = head.layer_inputs(tok, hidden, pos, query_rows)
             offset = 0
             for i, p0, n in _contiguous_runs(pieces):
