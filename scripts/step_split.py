@@ -3,6 +3,7 @@
     python scripts/step_split.py --methods 'none;graft' --dtype bfloat16
     python scripts/step_split.py --methods 'none;graft:{"num_speculative_tokens":16}' --prompts "sharegpt[1000:1002]"
     python scripts/step_split.py --batch-size 16 --prompts "sharegpt[1000:1016]" --max-tokens 64
+    python scripts/step_split.py --batch-size 4 --methods 'none;graft' --plain graft --repeats 4
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
@@ -12,6 +13,12 @@ step, the model forward's median per token count, and each timed function's mill
 nested functions count in both). The wrappers cost about a microsecond per call, so functions called per layer read
 a little high. ``profile_worker.py`` (py-spy) shows the same worker under sampling, with the engine core in its own
 process. Never run it beside another torch job.
+
+``--plain LABELS``: those methods' tree verifiers never draft (the path of a step whose gate says drafting does not
+pay: the proposer only observes), to measure what a speculative engine's plain steps cost against no speculation's.
+``--repeats N`` runs the methods N times, in reverse order every other time (A B, B A, ...: this machine drifts by
+10-20% over minutes, and a fixed order would charge the drift to one method), and ends with each method's medians
+over the repeats.
 """
 
 from __future__ import annotations
@@ -85,8 +92,21 @@ def install_timers(totals: dict[str, float], calls: collections.Counter, forward
         setattr(owner, name, functools.wraps(original)(timed))
 
 
+def never_draft() -> None:
+    """Every tree verifier of this process takes the gate-closed path on every step: the proposer only observes."""
+    from vllm_treespec.verify.verifier import TreeVerifier
+
+    def plain(self, ctx):
+        self.proposer.observe(ctx)
+        return [None] * ctx.num_reqs, 0
+
+    TreeVerifier._draft = plain
+
+
 def run_child(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.never_draft:
+        never_draft()
     import torch
     from vllm import LLM, SamplingParams
 
@@ -122,6 +142,10 @@ def run_child(args: argparse.Namespace) -> None:
         by_tokens[num_tokens].append(seconds)
     print("  model forward, median ms by tokens in the step: " + ", ".join(
         f"{t}: {statistics.median(v) * 1e3:.1f} (x{len(v)})" for t, v in sorted(by_tokens.items())))
+    common = max(by_tokens, key=lambda t: len(by_tokens[t]))
+    print("  SUMMARY " + json.dumps({"tok_per_s": tokens / elapsed, "ms_per_step": elapsed / steps * 1e3,
+                                     "common_tokens": common,
+                                     "forward_ms": statistics.median(by_tokens[common]) * 1e3}))
     for key in sorted(totals, key=lambda k: -totals[k]):
         print(f"  {key:42s} {totals[key] / steps * 1e3:8.3f} ms per step  ({calls[key]} calls)")
 
@@ -137,7 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="prompts per generate call (the engine's max_num_seqs)")
+    parser.add_argument("--plain", default="",
+                        help="comma-separated labels of methods whose tree verifier never drafts (plain steps only)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the methods this many times, in reverse order every other time; medians at the end")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--never-draft", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -148,15 +177,37 @@ def main() -> int:
         return 0
     from vllm_treespec.tools.bench import parse_methods
 
-    for spec in parse_methods(args.methods):
-        print(f"== {spec.label} ({args.dtype})", flush=True)
-        command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()), "--dtype", args.dtype,
-                   "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
-                   "--batch-size", str(args.batch_size)] + (
-                       ["--model", args.model] if args.model else [])
-        result = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
-        print("\n".join(lines) if lines else result.stderr[-3000:], flush=True)
+    specs = parse_methods(args.methods)
+    plain = {label for label in args.plain.split(",") if label}
+    unknown = plain - {spec.label for spec in specs}
+    if unknown:
+        raise SystemExit(f"--plain names {sorted(unknown)}, which are not among the methods' labels "
+                         f"{[spec.label for spec in specs]}")
+    summaries: dict[str, list[dict]] = collections.defaultdict(list)
+    for repeat in range(args.repeats):
+        for spec in specs if repeat % 2 == 0 else specs[::-1]:
+            never = spec.label in plain
+            print(f"== {spec.label} ({args.dtype}{', never drafts' if never else ''}"
+                  f"{f', repeat {repeat + 1}' if args.repeats > 1 else ''})", flush=True)
+            command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()),
+                       "--dtype", args.dtype, "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
+                       "--batch-size", str(args.batch_size)] + (
+                           ["--model", args.model] if args.model else []) + (["--never-draft"] if never else [])
+            result = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
+            for line in lines:
+                if line.startswith("  SUMMARY "):
+                    summaries[spec.label].append(json.loads(line[len("  SUMMARY "):]))
+            print("\n".join(line for line in lines if not line.startswith("  SUMMARY ")) if lines
+                  else result.stderr[-3000:], flush=True)
+    if args.repeats > 1:
+        print(f"== medians over {args.repeats} repeats")
+        for label, runs in summaries.items():
+            forwards = [r["forward_ms"] for r in runs]
+            print(f"  {label:12s} {statistics.median(r['tok_per_s'] for r in runs):7.2f} tok/s, "
+                  f"{statistics.median(r['ms_per_step'] for r in runs):7.2f} ms per step, forward at "
+                  f"{runs[0]['common_tokens']} tokens {statistics.median(forwards):6.1f} ms "
+                  f"(runs: {' / '.join(f'{ms:.1f}' for ms in forwards)})")
     return 0
 
 
