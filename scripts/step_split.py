@@ -92,21 +92,12 @@ def install_timers(totals: dict[str, float], calls: collections.Counter, forward
         setattr(owner, name, functools.wraps(original)(timed))
 
 
-def never_draft() -> None:
-    """Every tree verifier of this process takes the gate-closed path on every step: the proposer only observes."""
-    from vllm_treespec.verify.verifier import TreeVerifier
-
-    def plain(self, ctx):
-        self.proposer.observe(ctx)
-        return [None] * ctx.num_reqs, 0
-
-    TreeVerifier._draft = plain
-
-
 def run_child(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.never_draft:
-        never_draft()
+        from vllm_treespec.settings import NEVER_DRAFT_ENV
+
+        os.environ[NEVER_DRAFT_ENV] = "1"  # read when the engine's tree verifier is built
     import torch
     from vllm import LLM, SamplingParams
 

@@ -15,6 +15,9 @@ ADDITIONAL_CONFIG_KEY = "vllm_treespec"
 CACHE_DIR_ENV = "VLLM_TREESPEC_CACHE"
 #: the shared speculative-config key that switches the measured step-cost budget (vllm_treespec.cost) off
 COST_BUDGET_KEY = "cost_budget"
+#: "1": tree verifiers never draft; every step takes the path of a step the gate refuses (the proposer only observes
+#: it): what a speculative engine's plain steps cost against no speculation's (``bench serve --plain``)
+NEVER_DRAFT_ENV = "VLLM_TREESPEC_NEVER_DRAFT"
 
 
 def default_cache_dir() -> Path:

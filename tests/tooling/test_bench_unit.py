@@ -250,3 +250,36 @@ def test_bench_serve_refuses_to_send_a_prompt_twice(tmp_path, capsys):
                  "--requests-per-level", "16", "--methods", "none"]) == 2
     err = capsys.readouterr().err
     assert "gives 24 prompts" in err and "sends 48 requests" in err and "more prompts" in err
+
+
+def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, monkeypatch, capsys):
+    """``--plain LABEL``: that method's servers get VLLM_TREESPEC_NEVER_DRAFT=1 (its verifier never drafts), the
+    others do not; a label that is not a speculative method's is refused before any server starts."""
+    from vllm_treespec.settings import NEVER_DRAFT_ENV
+    from vllm_treespec.tools import bench_serve
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(4)))
+    common = ["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1", "--requests-per-level", "1",
+              "--methods", "graft;graft_plain=graft", "--out", str(tmp_path / "out")]
+    assert bench_serve.main(common + ["--plain", "none"]) == 2
+    assert "--plain names ['none']" in capsys.readouterr().err
+    envs = {}
+
+    class FakeServer:
+        port = 0
+
+        def __init__(self, model, spec, args, log_path, env):
+            self.label = log_path.stem.removeprefix("server-")
+            envs[self.label] = env
+
+        def start(self):
+            raise bench_serve.ServerStartError(f"not starting {self.label} in a unit test", None, "")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
+    bench_serve.main(common + ["--plain", "graft_plain"])
+    assert envs["graft_plain"][NEVER_DRAFT_ENV] == "1"
+    assert NEVER_DRAFT_ENV not in envs["graft"] and NEVER_DRAFT_ENV not in envs["none"]

@@ -329,3 +329,18 @@ def test_a_probe_under_load_drafts_for_as_many_requests_as_it_verifies_nodes():
     assert asked[1:3] == [[0], [1, 2]] and counts[1:3] == [1, 2]
     assert all(len(a) == (c or 3) for a, c in zip(asked, counts))
     assert priced == [len(a) for a in asked]  # each call is priced for the requests it was asked for
+
+
+def test_a_never_drafting_verifier_only_observes(monkeypatch):
+    """VLLM_TREESPEC_NEVER_DRAFT=1: every step takes the gate-refuses path, whatever the budget would say (a flat
+    cost, where every scored node pays): the proposer is never asked for trees, only shown each step."""
+    from vllm_treespec.settings import NEVER_DRAFT_ENV
+
+    monkeypatch.setenv(NEVER_DRAFT_ENV, "1")
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    drafts = [verifier.propose([[9], [3], [6]]) for _ in range(3)]
+    assert drafts == [[[], [], []]] * 3
+    assert verifier.proposer.contexts == [] and len(verifier.proposer.observed) == 3
+    monkeypatch.delenv(NEVER_DRAFT_ENV)
+    drafting = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    assert drafting.propose([[9], [3], [6]])[0]  # the same verifier without it drafts

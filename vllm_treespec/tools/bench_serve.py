@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
+from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import load_questions
 from vllm_treespec.tools.bench import parse_methods, unavailable_reason
@@ -87,8 +88,10 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     log_path = out_dir / f"server-{spec.label}.log"
     trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
     trace.clear(trace_path)
-    server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path,
-                           env={TRACE_ENV: str(trace_path)})
+    env = {TRACE_ENV: str(trace_path)}
+    if spec.label in getattr(args, "plain", ()):
+        env[NEVER_DRAFT_ENV] = "1"
+    server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path, env=env)
     windows: dict[str, tuple[float, float]] = {}
     entry["port"] = server.port
     started = time.perf_counter()
@@ -241,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile in the server")
     parser.add_argument("--repeats", type=int, default=1, help="rounds, every method once per round in turn (fresh "
                         "servers); per level the median round is reported")
+    parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
+                        "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
+                        "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
     parser.add_argument("--out", default="bench_out/serve", help="folder for results.json, serve.png, server logs")
     return parser
 
@@ -264,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_method(spec)
     except BenchError as e:
         print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
+        return 2
+    args.plain = sorted({label.strip() for label in args.plain.split(",") if label.strip()})  # results.json lists it
+    drafting = {spec.label for spec in specs if not spec.is_baseline}
+    if not set(args.plain) <= drafting:
+        print(f"vllm-treespec bench serve: --plain names {sorted(set(args.plain) - drafting)}, which are not among "
+              f"the speculative methods' labels {sorted(drafting)}", file=sys.stderr)
         return 2
     if args.model is None:
         from vllm_treespec.tools.models import ensure_smollm2

@@ -15,6 +15,7 @@ from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 from vllm_treespec.attn import plan
 from vllm_treespec.attn.compact import compact_layers
 from vllm_treespec.cost.model import context_excess
+from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tree import TreeBatch
 from vllm_treespec.verify.accept import (accept, greedy_mask, logits_rows, read_logits, verification_results,
                                          write_chain_form)
@@ -72,6 +73,10 @@ class TreeVerifier:
         self.budget: Any = None
         self._tree_seconds = 0.0  # this step's host work on trees so far (attach, acceptance, compaction)
         self._probe_cursor = 0  # where the next probe that drafts for some requests takes its first
+        self.never_draft = os.environ.get(NEVER_DRAFT_ENV) == "1"
+        if self.never_draft:
+            logger.warning("vllm_treespec: %s=1: this engine never drafts (its proposer only observes each step)",
+                           NEVER_DRAFT_ENV)
         #: acceptance rates by source and raw confidence, learned from every step's committed tokens: they turn
         #: node_probs into acceptance probabilities for the budget, and graft ranks its sources by them
         self.acceptance = AcceptanceTracker(getattr(proposer, "acceptance_sources", ()))
@@ -174,8 +179,8 @@ class TreeVerifier:
         row_excess = ctx.row_excess
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         drafting = len(rows)
-        if budget is not None and drafting and not budget.should_draft(
-                drafting, None if row_excess is None else row_excess[rows]):
+        if self.never_draft or (budget is not None and drafting and not budget.should_draft(
+                drafting, None if row_excess is None else row_excess[rows])):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
