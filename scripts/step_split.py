@@ -166,14 +166,13 @@ def main() -> int:
     if args.child is not None:
         run_child(args)
         return 0
-    from vllm_treespec.tools.bench import parse_methods
+    from vllm_treespec.tools.bench import BenchError, never_drafting_labels, parse_methods
 
-    specs = parse_methods(args.methods)
-    plain = {label for label in args.plain.split(",") if label}
-    unknown = plain - {spec.label for spec in specs}
-    if unknown:
-        raise SystemExit(f"--plain names {sorted(unknown)}, which are not among the methods' labels "
-                         f"{[spec.label for spec in specs]}")
+    try:
+        specs = parse_methods(args.methods)
+        plain = never_drafting_labels(args.plain, specs)
+    except BenchError as e:
+        raise SystemExit(f"step_split: {e}") from None
     summaries: dict[str, list[dict]] = collections.defaultdict(list)
     for repeat in range(args.repeats):
         for spec in specs if repeat % 2 == 0 else specs[::-1]:

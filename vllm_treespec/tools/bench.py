@@ -136,6 +136,18 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
+def never_drafting_labels(text: str, specs: list[MethodSpec]) -> list[str]:
+    """The labels of ``--plain LABEL[,LABEL]`` (sorted): methods run with ``VLLM_TREESPEC_NEVER_DRAFT=1``. Each must
+    name a speculative method among ``specs``."""
+    labels = sorted({label.strip() for label in text.split(",") if label.strip()})
+    drafting = {spec.label for spec in specs if not spec.is_baseline}
+    unknown = sorted(set(labels) - drafting)
+    if unknown:
+        raise BenchError(f"--plain names {unknown}, which are not among the speculative methods' labels "
+                         f"{sorted(drafting)}")
+    return labels
+
+
 def unavailable_reason(spec: MethodSpec) -> str | None:
     """Why ``spec`` cannot run here (a missing optional package), or None."""
     need = OPTIONAL_DEPENDENCIES.get(spec.method)

@@ -30,7 +30,7 @@ from vllm_treespec.cost.trace import TRACE_ENV
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import load_questions
-from vllm_treespec.tools.bench import parse_methods, unavailable_reason
+from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import request
 
@@ -89,7 +89,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
     trace.clear(trace_path)
     env = {TRACE_ENV: str(trace_path)}
-    if spec.label in getattr(args, "plain", ()):
+    if spec.label in args.plain:
         env[NEVER_DRAFT_ENV] = "1"
     server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path, env=env)
     windows: dict[str, tuple[float, float]] = {}
@@ -268,14 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs = parse_methods(args.methods)
         for spec in specs:
             check_method(spec)
+        args.plain = never_drafting_labels(args.plain, specs)  # a list: results.json records the arguments
     except BenchError as e:
         print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
-        return 2
-    args.plain = sorted({label.strip() for label in args.plain.split(",") if label.strip()})  # results.json lists it
-    drafting = {spec.label for spec in specs if not spec.is_baseline}
-    if not set(args.plain) <= drafting:
-        print(f"vllm-treespec bench serve: --plain names {sorted(set(args.plain) - drafting)}, which are not among "
-              f"the speculative methods' labels {sorted(drafting)}", file=sys.stderr)
         return 2
     if args.model is None:
         from vllm_treespec.tools.models import ensure_smollm2
