@@ -166,7 +166,7 @@ def main() -> int:
     if args.child is not None:
         run_child(args)
         return 0
-    from vllm_treespec.tools.bench import BenchError, never_drafting_labels, parse_methods
+    from vllm_treespec.tools.bench import BenchError, never_drafting_labels, parse_methods, round_order
 
     try:
         specs = parse_methods(args.methods)
@@ -175,7 +175,7 @@ def main() -> int:
         raise SystemExit(f"step_split: {e}") from None
     summaries: dict[str, list[dict]] = collections.defaultdict(list)
     for repeat in range(args.repeats):
-        for spec in specs if repeat % 2 == 0 else specs[::-1]:
+        for spec in round_order(specs, repeat):
             never = spec.label in plain
             print(f"== {spec.label} ({args.dtype}{', never drafts' if never else ''}"
                   f"{f', repeat {repeat + 1}' if args.repeats > 1 else ''})", flush=True)

@@ -184,8 +184,8 @@ def test_bench_serve_rejects_bad_repeats(capsys):
 
 
 def test_repeats_go_round_robin_and_a_failing_method_stops_alone(monkeypatch):
-    """Repeat r of every method runs before repeat r+1 of any (drift reaches all alike); a method that fails keeps
-    its message, runs no more repeats and does not stop the others."""
+    """Repeat r of every method runs before repeat r+1 of any, in reverse order every other round (drift reaches
+    all alike); a method that fails keeps its message, runs no more repeats and does not stop the others."""
     order = []
 
     def fake_repeat(model, tokenizer, result, questions, args, repeat, progress=None):
@@ -196,12 +196,13 @@ def test_repeats_go_round_robin_and_a_failing_method_stops_alone(monkeypatch):
 
     monkeypatch.setattr(bench, "run_repeat", fake_repeat)
     specs = bench.parse_methods("a=suffix_tree;bad=ngram_tree;b=graft")
-    args = SimpleNamespace(repeats=2, turns=1)
+    args = SimpleNamespace(repeats=3, turns=1)
     results = bench.run_round_robin("m", None, specs, {"c": [{"turns": ["q"]}]}, args)
-    assert order == [(0, "none"), (0, "a"), (0, "bad"), (0, "b"), (1, "none"), (1, "a"), (1, "b")]
+    assert order == [(0, "none"), (0, "a"), (0, "bad"), (0, "b"), (1, "b"), (1, "a"), (1, "none"),
+                     (2, "none"), (2, "a"), (2, "b")]
     by = {r.spec.label: r for r in results}
     assert by["bad"].status == "failed" and "boom" in by["bad"].reason and by["bad"].repeats == []
-    assert len(by["a"].repeats) == len(by["none"].repeats) == 2
+    assert len(by["a"].repeats) == len(by["none"].repeats) == 3
 
 
 def test_bench_serve_summarises_the_servers_budget_trace_per_level(tmp_path):

@@ -20,7 +20,8 @@ no speculation always runs first as the baseline. Per category and overall it re
 
 Timed runs exclude a warm-up generation. With ``--repeats R`` every repeat runs on a fresh engine (so no proposer
 state, such as suffix_tree's store of finished outputs, carries over), the repeats go round-robin over the methods
-(so the machine's drift reaches all alike), and the median of the throughputs is reported.
+in reverse order every other round (A B, B A, ...: the machine's drift, and whatever the engine before leaves on it,
+reach every method alike), and the median of the throughputs is reported.
 
 ``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.tools.bench_serve`).
 """
@@ -37,7 +38,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeVar
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
@@ -62,6 +63,9 @@ options, the method's own options). LABEL names the row (default METHOD); use it
 different options. 'none' is added first when missing. Quote the whole value in the shell, e.g.
   --methods 'none;ngram:{{"num_speculative_tokens":5,"prompt_lookup_max":4}};st16=suffix_tree:{{"num_speculative_tokens":16}}'
 default: {DEFAULT_METHODS}"""
+
+
+T = TypeVar("T")
 
 
 class BenchError(ValueError):
@@ -146,6 +150,13 @@ def never_drafting_labels(text: str, specs: list[MethodSpec]) -> list[str]:
         raise BenchError(f"--plain names {unknown}, which are not among the speculative methods' labels "
                          f"{sorted(drafting)}")
     return labels
+
+
+def round_order(items: Sequence[T], round_index: int) -> list[T]:
+    """The order of round ``round_index`` (from 0): as given in even rounds, reversed in odd ones (A B, B A, ...).
+    This machine drifts by 10-20% over minutes, and a fixed order charges the drift, and whatever the previous
+    engine leaves on the machine, to the same method every round."""
+    return list(items) if round_index % 2 == 0 else list(items)[::-1]
 
 
 def unavailable_reason(spec: MethodSpec) -> str | None:
@@ -390,9 +401,10 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
 
 def run_round_robin(model: str, tokenizer, specs: list[MethodSpec], questions: dict[str, list[dict]],
                     args: argparse.Namespace) -> list[MethodResult]:
-    """Every method's repeats, interleaved: repeat r of every method runs before repeat r+1 of any, so that the
-    machine's drift over minutes reaches every method alike (the baseline first in each round). A method that
-    fails keeps its message and runs no further repeats; the others go on."""
+    """Every method's repeats, interleaved: repeat r of every method runs before repeat r+1 of any, in
+    :func:`round_order` (the baseline first in the first round, last in the second, ...), so that the machine's
+    drift over minutes reaches every method alike. A method that fails keeps its message and runs no further
+    repeats; the others go on."""
     from tqdm import tqdm
 
     results = [MethodResult(spec) for spec in specs]
@@ -406,7 +418,7 @@ def run_round_robin(model: str, tokenizer, specs: list[MethodSpec], questions: d
     with tqdm(total=per_repeat * args.repeats * len(runnable), desc="bench", unit="req", file=sys.stderr,
               dynamic_ncols=True) as progress:
         for repeat in range(args.repeats):
-            for result in runnable:
+            for result in round_order(runnable, repeat):
                 if result.status != "ok":
                     continue
                 try:

@@ -8,10 +8,12 @@ tokens/s, requests/s, TTFT and inter-token latency (gap between streamed chunks;
 when drafts are accepted) percentiles, and time per output token. The server is always stopped, its whole process
 group, whatever happens. Output: a table, results.json and PNG plots (throughput, TTFT p50 and ITL p50 per level).
 
-This machine's speed drifts over minutes, so ``--repeats R`` runs R rounds, every method once per round in turn
-(a fresh server each time, the same prompts), and reports per method and level the round with the median output
-tok/s, every round's figure, the ratio to no speculation's median, and the median of the per-round ratios (each
-round against no speculation's same round, run just before it: the drift between rounds cancels).
+This machine's speed drifts over minutes, so ``--repeats R`` runs R rounds, every method once per round, in
+reverse order every other round (a fresh server each time, the same prompts), and reports per method and level the
+round with the median output tok/s, every round's figure, the ratio to no speculation's median, and the median of
+the per-round ratios (each round against no speculation's same round, run next to it: the drift between rounds
+cancels, and the alternating order charges neither the drift within a round nor what a server leaves behind to one
+method).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from vllm_treespec.cost.trace import TRACE_ENV
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import load_questions
-from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, unavailable_reason
+from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import request
 
@@ -295,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped = {spec.label: unavailable_reason(spec) for spec in specs}
     rounds: dict[str, list[dict[str, Any]]] = {spec.label: [] for spec in specs}
     for r in range(args.repeats):
-        for spec in specs:
+        for spec in round_order(specs, r):
             if skipped[spec.label]:
                 continue
             if args.repeats > 1:
