@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -284,3 +287,42 @@ def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, 
     bench_serve.main(common + ["--plain", "graft_plain"])
     assert envs["graft_plain"][NEVER_DRAFT_ENV] == "1"
     assert NEVER_DRAFT_ENV not in envs["graft"] and NEVER_DRAFT_ENV not in envs["none"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_keep_off_worker_cpus_pins_every_server_process_but_the_worker():
+    """bench serve's default CPU placement: every thread of the server's processes goes to the CPUs its workers
+    (processes bound to fewer CPUs than the server, as vLLM binds its CPU worker) left free; the workers keep
+    theirs; a server without such a worker is left alone."""
+    import psutil
+
+    from vllm_treespec.tools.serving import keep_off_worker_cpus
+
+    cpus = sorted(os.sched_getaffinity(0))
+    worker_cpu = cpus[0]
+    worker = f"import os, time; os.sched_setaffinity(0, {{{worker_cpu}}}); print(1, flush=True); time.sleep(60)"
+
+    def server(with_worker: bool) -> subprocess.Popen:
+        code = ("import subprocess, sys, threading, time\n"
+                + (f"child = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=subprocess.PIPE)\n"
+                   "child.stdout.readline()\n" if with_worker else "")
+                + "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+                "print('ready', flush=True); time.sleep(60)\n")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+        assert proc.stdout.readline().strip() == b"ready"
+        return proc
+
+    plain, served = server(False), server(True)
+    try:
+        assert keep_off_worker_cpus(plain.pid) == set()
+        assert set(psutil.Process(plain.pid).cpu_affinity()) == set(cpus)
+        free = set(cpus) - {worker_cpu}
+        assert keep_off_worker_cpus(served.pid) == free
+        threads = os.listdir(f"/proc/{served.pid}/task")
+        assert len(threads) >= 2 and all(os.sched_getaffinity(int(t)) == free for t in threads)
+        [child] = psutil.Process(served.pid).children()
+        assert child.cpu_affinity() == [worker_cpu]
+    finally:
+        for proc in (plain, served):
+            os.killpg(proc.pid, 9)
+            proc.wait()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP,
 from vllm_treespec.tools.bench import load_questions
 from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
+from vllm_treespec.tools.serving import pin_threads
 from vllm_treespec.tools.serving import request
 
 SERVED_NAME = "bench"
@@ -98,9 +100,15 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     entry["port"] = server.port
     started = time.perf_counter()
     try:
+        pin_threads(os.getpid(), args.all_cpus)  # the server starts free; vLLM places its worker itself
         server.start()
         entry["server_pid"] = server.process.pid
         entry["startup_s"] = time.perf_counter() - started
+        if args.cpu_affinity == "reserved":
+            # the API server, the engine core and this load generator on the CPUs vLLM reserved for them, off the
+            # worker's: what a deployment on a dedicated machine does (taskset), and steadier figures
+            entry["pinned_cpus"] = sorted(server.keep_off_worker_cpus())
+            pin_threads(os.getpid(), entry["pinned_cpus"] or args.all_cpus)
         asyncio.run(run_level(server.url, [WARMUP_PROMPT], 1, 16, 0.0))  # warm-up, not reported
         sent = 0
         with RssSampler(server) as rss, tqdm(args.concurrency, desc=f"{spec.label:>12}", unit="level",
@@ -122,6 +130,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
         entry.update(status="failed", reason=str(e).splitlines()[0], log=str(log_path))
     finally:
         server.stop()
+        pin_threads(os.getpid(), args.all_cpus)
     add_budget_trace(entry, trace.files(trace_path), windows)
     return entry
 
@@ -249,12 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
+    parser.add_argument("--cpu-affinity", choices=("reserved", "os"), default="reserved",
+                        help="CPU server: 'reserved' (default) pins the API server, the engine core and this load "
+                        "generator to the CPUs vLLM's worker left free (those vLLM reserves for its engine core), off "
+                        "the worker's; 'os' leaves placement to the OS (they then take turns with the worker's thread)")
     parser.add_argument("--out", default="bench_out/serve", help="folder for results.json, serve.png, server logs")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.all_cpus = sorted(os.sched_getaffinity(0))  # restored around every server's start
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not args.concurrency or min(args.concurrency) < 1:

@@ -19,9 +19,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 LOOPBACK = "127.0.0.1"
+
 
 
 class ServerStartError(RuntimeError):
@@ -129,6 +130,11 @@ class ServerProcess:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    # --- CPU placement --------------------------------------------------------------------------------------------
+    def keep_off_worker_cpus(self) -> set[int]:
+        """:func:`keep_off_worker_cpus` for this server's processes."""
+        return keep_off_worker_cpus(self.process.pid) if self.alive() else set()
+
     # --- observation ----------------------------------------------------------------------------------------------
     def log_tail(self, chars: int = 6000) -> str:
         try:
@@ -154,6 +160,47 @@ class ServerProcess:
             except psutil.NoSuchProcess:
                 pass
         return total
+
+
+def keep_off_worker_cpus(root_pid: int) -> set[int]:
+    """Pin every thread of process ``root_pid`` and its descendants, except vLLM's CPU workers, to the CPUs the
+    workers left free; returns those CPUs (empty: nothing pinned, e.g. no CPU worker). vLLM binds each CPU worker to
+    its cores and reserves the others for the engine core (a worker is a process whose affinity is narrower than the
+    root's), but nothing keeps the API server, the engine core or a load generator off the worker's cores: on a
+    small machine the OS moves them there, and they take turns with the worker's one thread."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    everything = set(root.cpu_affinity())
+    procs, workers = [], set()
+    for proc in [root] + root.children(recursive=True):
+        try:
+            cpus = set(proc.cpu_affinity())
+        except psutil.NoSuchProcess:
+            continue
+        if cpus < everything:
+            workers |= cpus
+        else:
+            procs.append(proc)
+    free = everything - workers
+    if not workers or not free:
+        return set()
+    for proc in procs:
+        try:
+            pin_threads(proc.pid, free)
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            pass
+    return free
+
+
+def pin_threads(pid: int, cpus: Iterable[int]) -> None:
+    """Every thread of process ``pid`` (``os.getpid()``: this one) onto ``cpus``; threads it starts later inherit
+    the mask of the thread that starts them."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 class RssSampler:
