@@ -47,10 +47,13 @@ def register() -> None:
                        "Install a supported vLLM or set %s=1 to try anyway.",
                        version, ", ".join(p + "x" for p in SUPPORTED_VLLM_PREFIXES), SKIP_VERSION_CHECK_ENV)
         return
-    from vllm_treespec.patches import cpu_gemm, engine_args
+    from vllm_treespec.patches import cpu_gemm, engine_args, triton_dispatcher
 
     engine_args.apply(activate_tree_mode)
     cpu_gemm.apply()  # every CPU engine, speculative or not: no speculation is measured on the same linear
+    # every CPU engine too: once this package has imported numba (llvmlite), vLLM's kernel scan in an in-process
+    # worker crashes, speculative or not
+    triton_dispatcher.apply()
     _state["enabled"] = True
     if os.environ.get(TREE_MODE_ENV) == "1":
         activate_tree_mode()
@@ -65,13 +68,12 @@ def activate_tree_mode() -> None:
     _state["tree_mode"] = True
     from vllm_treespec.attn import register_backends
     from vllm_treespec.patches import (cpu_worker, cudagraph_dispatcher, draft_delivery, gpu_worker, model_runner,
-                                       rejection_sampler, topk_topp_sampler, triton_dispatcher)
+                                       rejection_sampler, topk_topp_sampler)
 
     register_backends()
     model_runner.apply()
     rejection_sampler.apply()
     topk_topp_sampler.apply()
-    triton_dispatcher.apply()
     cudagraph_dispatcher.apply()
     cpu_worker.apply()
     gpu_worker.apply()

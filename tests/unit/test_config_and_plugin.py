@@ -94,9 +94,15 @@ def test_plugin_register_is_idempotent_and_cheap():
         plugin.register(); plugin.register()
         print("ENABLED", plugin.is_enabled(), "TREE", plugin._state["tree_mode"])
         print("RUNNER_IMPORTED", "vllm.v1.worker.gpu_model_runner" in sys.modules)
+        from vllm.triton_utils import dispatcher
+        from vllm_treespec.patches import is_patched
+        print("REBIND_PATCHED", is_patched(dispatcher, "_rebind_kernels"))
         """, {"VLLM_TREESPEC_TREE_MODE": "0"})
     assert "ENABLED True TREE False" in result.stdout, result.stderr[-2000:]
     assert "RUNNER_IMPORTED False" in result.stdout
+    # every CPU engine, speculative or not, gets the kernel scan's fix: this package imports numba (llvmlite), and
+    # an in-process plain engine's worker would crash in vLLM's scan without it
+    assert "REBIND_PATCHED True" in result.stdout
 
 
 def test_cpu_expand_fix_matches_reference_for_all_dtypes():

@@ -5,7 +5,8 @@ by scanning the namespace of every imported module and reading ``vars(value).get
 has a ``__dict__``. llvmlite (imported by numba, which the retrieval store uses) exposes ``llvmlite.binding.ffi.lib``,
 whose ``__dict__`` is forwarded to a ctypes function wrapper, so the scan dies with "'_lib_fn_wrapper' object has no
 attribute 'get'" and the engine never starts. That happens whenever numba is imported in the process that starts the
-worker before it does: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engines) with any tree method.
+worker before it does: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engines), with or without speculation
+(the plugin applies this patch to every CPU engine, as it does the CPU linear's).
 The wrapper hides such attributes (``vars()`` is not a mapping, so they cannot hold a kernel) from their modules for
 the duration of the original scan and puts them back afterwards.
 """
