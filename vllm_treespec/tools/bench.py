@@ -21,7 +21,8 @@ no speculation always runs first as the baseline. Per category and overall it re
 Timed runs exclude a warm-up generation. With ``--repeats R`` every repeat runs on a fresh engine (so no proposer
 state, such as suffix_tree's store of finished outputs, carries over), the repeats go round-robin over the methods
 in reverse order every other round (A B, B A, ...: the machine's drift, and whatever the engine before leaves on it,
-reach every method alike), and the median of the throughputs is reported.
+reach every method alike), and the median of the throughputs is reported. On a CPU engine this process (the
+engine's front end) and the engine core are pinned to the CPUs vLLM's worker left free (``--cpu-affinity``).
 
 ``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.tools.bench_serve`).
 """
@@ -42,6 +43,7 @@ from typing import Any, Iterable, Sequence, TypeVar
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
+from vllm_treespec.tools.serving import keep_off_worker_cpus, pin_threads
 
 BASELINE = "none"
 DEFAULT_METHODS = ('none;'
@@ -372,11 +374,14 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     trace_path = Path(args.out) / f"budget-{spec.label}-r{repeat + 1}.jsonl"
     trace.clear(trace_path)
     os.environ[TRACE_ENV] = str(trace_path)  # read by the engine's worker when its budget is built
+    cpus = os.sched_getaffinity(0)  # the engine starts free; vLLM places its worker itself
     started = time.perf_counter()
     try:
         llm = build_llm(model, spec, args)
     finally:
         os.environ.pop(TRACE_ENV, None)
+    if args.cpu_affinity == "reserved":
+        keep_off_worker_cpus(os.getpid())  # this front end and the engine core off the worker's cores
     try:
         result.engine_start_s.append(time.perf_counter() - started)
         warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
@@ -394,6 +399,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     finally:
         del llm
         gc.collect()
+        pin_threads(os.getpid(), cpus)
     paths = trace.files(trace_path)
     if paths:  # the warm-up's steps are in it too: a few of hundreds
         result.budget.append({**trace.summarize(trace.read(paths)), "files": [str(p) for p in paths]})
@@ -624,6 +630,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip torch.compile (starts in seconds instead of minutes on a cold compile cache)")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats, each on a fresh engine; median reported")
+    parser.add_argument("--cpu-affinity", choices=("reserved", "os"), default="reserved",
+                        help="CPU engine: 'reserved' (default) pins this process (the engine's front end) and the "
+                        "engine core to the CPUs vLLM's worker left free, off the worker's; 'os' leaves placement "
+                        "to the OS (they then take turns with the worker's thread)")
     parser.add_argument("--out", default="bench_out", help="folder for results.json and the PNG plots")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     return parser
