@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -12,7 +13,21 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
 
 def test_bench_offline_reports_every_category_and_is_lossless(tmp_path, monkeypatch):
+    from engine_helpers import close, make_llm
+
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # bench would quieten vLLM for the rest of the session
+    engines = []
+
+    def in_process_engine(model, spec, args):
+        # the bench's engines in this process (seconds to start, not ~25 s); each closed before the next
+        while engines:
+            close(engines.pop())
+        engines.append(make_llm(model, spec.speculative_config(), dtype=args.dtype, max_model_len=args.max_model_len,
+                                max_num_seqs=max(args.batch_size, 1), seed=args.seed,
+                                enforce_eager=args.enforce_eager))
+        return engines[-1]
+
+    monkeypatch.setattr(bench, "build_llm", in_process_engine)
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in [
         {"question_id": 1, "category": "repeat", "turns": ["Repeat this sentence twice: the cat sat on the mat."]},
@@ -20,8 +35,12 @@ def test_bench_offline_reports_every_category_and_is_lossless(tmp_path, monkeypa
                                                          "Now make it add three numbers."]},
     ]))
     out = tmp_path / "out"
-    code = bench.main(["--prompts", str(questions), "--turns", "2", "--max-tokens", "24", "--enforce-eager",
-                       "--methods", 'suffix_tree:{"num_speculative_tokens":16}', "--out", str(out)])
+    try:
+        code = bench.main(["--prompts", str(questions), "--turns", "2", "--max-tokens", "24", "--enforce-eager",
+                           "--methods", 'suffix_tree:{"num_speculative_tokens":16}', "--out", str(out)])
+    finally:
+        while engines:
+            close(engines.pop())
     assert code == 0
     report = json.loads((out / "results.json").read_text())
     rows = {(r["method"], r["category"]): r for r in report["rows"]}
@@ -57,6 +76,9 @@ def test_bench_serve_sweeps_levels_and_stops_every_server(tmp_path):
         for level in method["levels"].values():
             assert level["succeeded"] == level["requests"] == 4
             assert level["ttft_s"]["p50"] > 0 and level["output_tok_per_s"] > 0
+        if len(os.sched_getaffinity(0)) >= 2:
+            # vLLM reserved a CPU beside its worker's (the first), and the server's other processes went there
+            assert method["pinned_cpus"] and min(os.sched_getaffinity(0)) not in method["pinned_cpus"]
         assert not psutil.pid_exists(method["server_pid"]) or \
             psutil.Process(method["server_pid"]).status() == psutil.STATUS_ZOMBIE
         port_flag = f"--port {method['port']}"
