@@ -166,8 +166,8 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
     """``vs_none`` per level: output tok/s over the baseline's at the same level (both medians with --repeats).
-    With rounds, also ``rounds_vs_none`` (each round against the baseline's same round, which ran just before it:
-    the machine's drift cancels) and their median ``vs_none_paired``."""
+    With rounds, also ``rounds_vs_none`` (each round against the baseline's same round, which ran next to it: the
+    machine's drift cancels) and their median ``vs_none_paired``."""
     base = next((m for m in methods if m["label"] == baseline and m["status"] == "ok"), None)
     for m in methods:
         if m["status"] != "ok" or base is None:
@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile in the server")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds, every method once per round in turn (fresh "
-                        "servers); per level the median round is reported")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds, every method once per round (fresh "
+                        "servers), in reverse order every other round; per level the median round is reported")
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
