@@ -30,6 +30,7 @@ engine's front end) and the engine core are pinned to the CPUs vLLM's worker lef
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -43,7 +44,7 @@ from typing import Any, Iterable, Sequence, TypeVar
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
-from vllm_treespec.tools.serving import keep_off_worker_cpus, pin_threads
+from vllm_treespec.tools.serving import off_the_workers_cpus
 
 BASELINE = "none"
 DEFAULT_METHODS = ('none;'
@@ -374,32 +375,32 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     trace_path = Path(args.out) / f"budget-{spec.label}-r{repeat + 1}.jsonl"
     trace.clear(trace_path)
     os.environ[TRACE_ENV] = str(trace_path)  # read by the engine's worker when its budget is built
-    cpus = os.sched_getaffinity(0)  # the engine starts free; vLLM places its worker itself
     started = time.perf_counter()
     try:
         llm = build_llm(model, spec, args)
     finally:
         os.environ.pop(TRACE_ENV, None)
-    if args.cpu_affinity == "reserved":
-        keep_off_worker_cpus(os.getpid())  # this front end and the engine core off the worker's cores
+    # this front end and the engine core off the worker's cores while the engine runs
+    placement = off_the_workers_cpus(os.getpid()) if args.cpu_affinity == "reserved" else contextlib.nullcontext()
     try:
-        result.engine_start_s.append(time.perf_counter() - started)
-        warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
-                                               add_generation_prompt=True)
-        llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
-                     use_tqdm=False)
-        runs: dict[str, CategoryRun] = {}
-        for category, qs in questions.items():
-            if progress is not None:
-                progress.set_postfix_str(f"{spec.label} {category}")
-            runs[category], outputs = run_category(llm, tokenizer, qs, params, args.batch_size, args.turns, progress)
-            if repeat == 0:
-                result.outputs[category] = outputs
-        result.repeats.append(runs)
+        with placement:
+            result.engine_start_s.append(time.perf_counter() - started)
+            warmup = tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=False,
+                                                   add_generation_prompt=True)
+            llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
+                         use_tqdm=False)
+            runs: dict[str, CategoryRun] = {}
+            for category, qs in questions.items():
+                if progress is not None:
+                    progress.set_postfix_str(f"{spec.label} {category}")
+                runs[category], outputs = run_category(llm, tokenizer, qs, params, args.batch_size, args.turns,
+                                                       progress)
+                if repeat == 0:
+                    result.outputs[category] = outputs
+            result.repeats.append(runs)
     finally:
         del llm
         gc.collect()
-        pin_threads(os.getpid(), cpus)
     paths = trace.files(trace_path)
     if paths:  # the warm-up's steps are in it too: a few of hundreds
         result.budget.append({**trace.summarize(trace.read(paths)), "files": [str(p) for p in paths]})

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +35,7 @@ from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP,
 from vllm_treespec.tools.bench import load_questions
 from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
-from vllm_treespec.tools.serving import pin_threads
+from vllm_treespec.tools.serving import off_the_workers_cpus
 from vllm_treespec.tools.serving import request
 
 SERVED_NAME = "bench"
@@ -100,37 +100,37 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     entry["port"] = server.port
     started = time.perf_counter()
     try:
-        pin_threads(os.getpid(), args.all_cpus)  # the server starts free; vLLM places its worker itself
         server.start()
         entry["server_pid"] = server.process.pid
         entry["startup_s"] = time.perf_counter() - started
-        if args.cpu_affinity == "reserved":
-            # the API server, the engine core and this load generator on the CPUs vLLM reserved for them, off the
-            # worker's: what a deployment on a dedicated machine does (taskset), and steadier figures
-            entry["pinned_cpus"] = sorted(server.keep_off_worker_cpus())
-            pin_threads(os.getpid(), entry["pinned_cpus"] or args.all_cpus)
-        asyncio.run(run_level(server.url, [WARMUP_PROMPT], 1, 16, 0.0))  # warm-up, not reported
-        sent = 0
-        with RssSampler(server) as rss, tqdm(args.concurrency, desc=f"{spec.label:>12}", unit="level",
-                                             file=sys.stderr) as levels:
-            for concurrency in levels:
-                # fresh prompts at every level: a method that remembers finished outputs (suffix_tree's global
-                # store) must not be scored on answers it has already produced
-                n = max(args.requests_per_level, concurrency)
-                batch = prompts[sent: sent + n]  # main() checked there are enough: no prompt is sent twice
-                sent += n
-                opened = time.time()
-                replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
-                                                      args.temperature))
-                windows[str(concurrency)] = (opened, time.time())
-                entry["levels"][str(concurrency)] = level_stats(replies, wall)
-        entry["rss"] = rss.summary()
-        entry["status"] = "ok" if server.alive() else "crashed"
+        # the API server, the engine core and this load generator on the CPUs vLLM reserved for them, off the
+        # worker's: what a deployment on a dedicated machine does (taskset), and steadier figures
+        placement = off_the_workers_cpus(server.process.pid) if args.cpu_affinity == "reserved" \
+            else contextlib.nullcontext()
+        with placement as pinned:
+            if pinned is not None:
+                entry["pinned_cpus"] = sorted(pinned)
+            asyncio.run(run_level(server.url, [WARMUP_PROMPT], 1, 16, 0.0))  # warm-up, not reported
+            sent = 0
+            with RssSampler(server) as rss, tqdm(args.concurrency, desc=f"{spec.label:>12}", unit="level",
+                                                 file=sys.stderr) as levels:
+                for concurrency in levels:
+                    # fresh prompts at every level: a method that remembers finished outputs (suffix_tree's global
+                    # store) must not be scored on answers it has already produced
+                    n = max(args.requests_per_level, concurrency)
+                    batch = prompts[sent: sent + n]  # main() checked there are enough: no prompt is sent twice
+                    sent += n
+                    opened = time.time()
+                    replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
+                                                          args.temperature))
+                    windows[str(concurrency)] = (opened, time.time())
+                    entry["levels"][str(concurrency)] = level_stats(replies, wall)
+            entry["rss"] = rss.summary()
+            entry["status"] = "ok" if server.alive() else "crashed"
     except ServerStartError as e:
         entry.update(status="failed", reason=str(e).splitlines()[0], log=str(log_path))
     finally:
         server.stop()
-        pin_threads(os.getpid(), args.all_cpus)
     add_budget_trace(entry, trace.files(trace_path), windows)
     return entry
 
@@ -268,7 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.all_cpus = sorted(os.sched_getaffinity(0))  # restored around every server's start
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not args.concurrency or min(args.concurrency) < 1:

@@ -8,6 +8,7 @@ to the loopback address only, and every client in this project talks to it there
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,10 +20,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 LOOPBACK = "127.0.0.1"
-
 
 
 class ServerStartError(RuntimeError):
@@ -130,11 +130,6 @@ class ServerProcess:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    # --- CPU placement --------------------------------------------------------------------------------------------
-    def keep_off_worker_cpus(self) -> set[int]:
-        """:func:`keep_off_worker_cpus` for this server's processes."""
-        return keep_off_worker_cpus(self.process.pid) if self.alive() else set()
-
     # --- observation ----------------------------------------------------------------------------------------------
     def log_tail(self, chars: int = 6000) -> str:
         try:
@@ -191,6 +186,21 @@ def keep_off_worker_cpus(root_pid: int) -> set[int]:
         except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
             pass
     return free
+
+
+@contextlib.contextmanager
+def off_the_workers_cpus(root_pid: int) -> Iterator[set[int]]:
+    """:func:`keep_off_worker_cpus` for ``root_pid``'s processes and this one (a load generator, a front end) while
+    open; on exit this process's threads get back the CPUs they had, so the next engine or server starts free
+    (vLLM places its worker itself). Yields the CPUs they were pinned to (empty: none)."""
+    mine = os.sched_getaffinity(0)
+    try:
+        free = keep_off_worker_cpus(root_pid)
+        if free:
+            pin_threads(os.getpid(), free)
+        yield free
+    finally:
+        pin_threads(os.getpid(), mine)
 
 
 def pin_threads(pid: int, cpus: Iterable[int]) -> None:
