@@ -1,8 +1,8 @@
 """Where an engine step's time goes, per function, for one method against another: exact timers, not sampling.
 
     python scripts/step_split.py --methods 'none;graft' --dtype bfloat16
-    python scripts/step_split.py --methods 'none;graft:{"num_speculative_tokens":16}' --prompts "sharegpt[1000:1002]"
-    python scripts/step_split.py --batch-size 16 --prompts "sharegpt[1000:1016]" --max-tokens 64
+    python scripts/step_split.py --methods 'none;graft:{"num_speculative_tokens":16}' --prompts "sharegpt[2200:2202]"
+    python scripts/step_split.py --batch-size 16 --prompts "sharegpt[2200:2216]" --max-tokens 64
     python scripts/step_split.py --batch-size 4 --methods 'none;graft' --plain graft --repeats 4
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", default="none;graft",
                         help="as vllm-treespec bench takes them: [LABEL=]METHOD[:JSON];... (no speculation runs too)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompts", default="sharegpt[1000:1002]",
+    parser.add_argument("--prompts", default="sharegpt[2200:2202]",
                         help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 1000-1001, held out)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

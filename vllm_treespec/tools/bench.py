@@ -71,6 +71,10 @@ default: {DEFAULT_METHODS}"""
 T = TypeVar("T")
 
 
+ALLOW_TRAINING_PROMPTS_HELP = ("measure ShareGPT prompts a drafting head was trained on (refused by default: the "
+                               "head has learned the target's answers to them, so they are not held out)")
+
+
 class BenchError(ValueError):
     """A bad bench argument; the message says which and why."""
 
@@ -206,6 +210,22 @@ def load_questions(names: Sequence[str], limit: int | None) -> dict[str, list[di
     if not by_category:
         raise BenchError("--prompts selected no questions")
     return by_category
+
+
+def check_held_out(questions: dict[str, list[dict]], specs: Sequence[MethodSpec], allow: bool) -> None:
+    """Refuse (or, with ``allow``, warn about) ShareGPT prompts a drafting head was trained on."""
+    from vllm_treespec.tools.held_out import heads_drafting, training_overlaps
+
+    listed = [q for qs in questions.values() for q in qs]
+    for overlap in training_overlaps(listed, heads_drafting((s.method, s.options) for s in specs)):
+        message = f"--prompts: {overlap.describe()}; drafts there are not a held-out figure"
+        if allow:
+            print(f"warning: {message} (--allow-training-prompts)", file=sys.stderr)
+            continue
+        stop = overlap.span[1]
+        count = sum(q["category"] == "sharegpt" for q in listed)
+        raise BenchError(f"{message}. Take ShareGPT prompts outside that span (e.g. sharegpt[{stop}:{stop + count}]), "
+                         "or pass --allow-training-prompts to measure them anyway")
 
 
 @dataclass
@@ -618,6 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated prompt sets (mt_bench, humaneval, sharegpt) or question.jsonl paths; "
                              "NAME[START:STOP] takes a slice (sharegpt: of its seeded shuffle), e.g. sharegpt[500:540]")
     parser.add_argument("--limit", type=int, default=None, help="at most N questions per category")
+    parser.add_argument("--allow-training-prompts", action="store_true", help=ALLOW_TRAINING_PROMPTS_HELP)
     parser.add_argument("--turns", type=int, default=1,
                         help="turns to play per question (MT-Bench has 2; later turns see the model's own answers)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help="methods to compare (syntax below)")
@@ -671,6 +692,7 @@ def _run(args: argparse.Namespace) -> int:
     for spec in specs:
         check_method(spec)
     questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], args.limit)
+    check_held_out(questions, specs, args.allow_training_prompts)
     if args.model is None:
         from vllm_treespec.tools.models import ensure_smollm2
 

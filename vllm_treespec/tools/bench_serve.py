@@ -32,7 +32,7 @@ from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
-from vllm_treespec.tools.bench import load_questions
+from vllm_treespec.tools.bench import ALLOW_TRAINING_PROMPTS_HELP, check_held_out, load_questions
 from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import off_the_workers_cpus
@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--prompts", default="mt_bench,humaneval", help="prompt sets or question.jsonl paths")
+    parser.add_argument("--allow-training-prompts", action="store_true", help=ALLOW_TRAINING_PROMPTS_HELP)
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated concurrency levels")
     parser.add_argument("--requests-per-level", type=int, default=16, help="requests sent at each level")
@@ -291,7 +292,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_treespec.tools.models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
-    questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], None)
+    try:
+        questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], None)
+        check_held_out(questions, specs, args.allow_training_prompts)
+    except BenchError as e:
+        print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
+        return 2
     # interleave categories so that every level sees a mix
     pools = [[q["turns"][0] for q in qs] for qs in questions.values()]
     prompts = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]

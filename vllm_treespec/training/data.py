@@ -32,20 +32,34 @@ def _eval_texts() -> list[str]:
     return [t for t in texts if len(t) >= 40]
 
 
-def training_prompts(num: int, max_prompt_chars: int = 2000) -> list[dict]:
-    """ShareGPT first turns for training, outside the benchmark prefix and free of eval questions."""
+def _training_questions(num: int, max_prompt_chars: int) -> list[tuple[int, dict]]:
+    """(position in ShareGPT's seeded shuffle, question) of the training prompts."""
     from vllm_treespec.tools.data import sharegpt
 
     probes = _eval_texts()
     out = []
-    for q in sharegpt(seed=0)[SHAREGPT_EVAL_PREFIX:]:
+    for position, q in enumerate(sharegpt(seed=0)[SHAREGPT_EVAL_PREFIX:], start=SHAREGPT_EVAL_PREFIX):
         text = q["turns"][0]
         if not text.strip() or len(text) > max_prompt_chars or any(p in text for p in probes):
             continue
-        out.append(q)
+        out.append((position, q))
         if len(out) == num:
             break
     return out
+
+
+def training_prompts(num: int, max_prompt_chars: int = 2000) -> list[dict]:
+    """ShareGPT first turns for training, outside the benchmark prefix and free of eval questions."""
+    return [q for _position, q in _training_questions(num, max_prompt_chars)]
+
+
+def training_prompt_span(num: int, max_prompt_chars: int = 2000) -> tuple[int, int]:
+    """``[first, stop)`` of ShareGPT's seeded shuffle that ``training_prompts(num)`` draws from: recorded in the head's
+    config so that benchmarks can refuse prompts the head was trained on (:mod:`vllm_treespec.tools.held_out`)."""
+    questions = _training_questions(num, max_prompt_chars)
+    if not questions:
+        return SHAREGPT_EVAL_PREFIX, SHAREGPT_EVAL_PREFIX
+    return questions[0][0], questions[-1][0] + 1
 
 
 def generate(model_dir: str, out_path: Path, num_prompts: int, max_tokens: int, batch: int = 64) -> Path:

