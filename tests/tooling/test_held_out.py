@@ -61,6 +61,16 @@ def test_only_methods_that_draft_with_a_head_are_checked(tmp_path):
         assert len(heads_drafting([("graft", {}), ("eagle_tree", {}), ("kv_aware", {})])) == 1
 
 
+def test_kv_aware_methods_are_checked_against_the_kv_aware_head_of_their_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_TREESPEC_CACHE", str(tmp_path))
+    kv, hybrid = tmp_path / "kv-aware-smollm2-135m-kv", tmp_path / "kv-aware-smollm2-135m-hybrid"
+    for folder in (kv, hybrid):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    assert heads_drafting([("kv_aware", {"mode": "kv"})]) == [kv]
+    assert heads_drafting([("kv_aware", {}), ("graft", {"eagle_checkpoint": "kv_aware"})]) == [hybrid]
+
+
 def test_bench_refuses_training_prompts_and_allows_them_on_request(tmp_path, capsys):
     head = fake_head(tmp_path)
     questions = load_questions(["sharegpt[1008:1012]"], None)

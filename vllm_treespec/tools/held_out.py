@@ -46,8 +46,9 @@ def head_training_span(head: Path) -> tuple[int, int] | None:
 
 
 def heads_drafting(methods: Iterable[tuple[str, Mapping[str, Any]]]) -> list[Path]:
-    """The head folders the given ``(method, options)`` draft with: the named folder, else the default head."""
-    from vllm_treespec.eagle.default_head import find_default_head
+    """The head folders the given ``(method, options)`` draft with: the named folder, else the method's default head
+    (the KV-aware one of its mode for ``kv_aware`` and graft's ``"kv_aware"``, the EAGLE-3 one otherwise)."""
+    from proposers.eagle_tree import default_kv_head_path
 
     heads: list[Path] = []
     for method, options in methods:
@@ -60,9 +61,13 @@ def heads_drafting(methods: Iterable[tuple[str, Mapping[str, Any]]]) -> list[Pat
             head = Path(named).expanduser()
         elif method in ("eagle3", "eagle"):
             continue  # vLLM's own methods name their head; no default applies
+        elif method == "graft":
+            head = default_kv_head_path("hybrid" if named == "kv_aware" else "hidden")
+        elif method == "kv_aware":
+            head = default_kv_head_path(options.get("mode") or "hybrid")
         else:
-            head = find_default_head()
-        if head is not None and head not in heads:
+            head = default_kv_head_path("hidden")
+        if head.is_dir() and head not in heads:
             heads.append(head)
     return heads
 
