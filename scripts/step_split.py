@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="as vllm-treespec bench takes them: [LABEL=]METHOD[:JSON];... (no speculation runs too)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--prompts", default="sharegpt[2200:2202]",
-                        help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 1000-1001, held out)")
+                        help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 2200-2201, outside the shipped head's training prompts)")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--batch-size", type=int, default=1,

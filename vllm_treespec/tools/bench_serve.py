@@ -285,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in specs:
             check_method(spec)
         args.plain = never_drafting_labels(args.plain, specs)  # a list: results.json records the arguments
+        questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], None)
+        check_held_out(questions, specs, args.allow_training_prompts)
     except BenchError as e:
         print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
         return 2
@@ -292,12 +294,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_treespec.tools.models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
-    try:
-        questions = load_questions([p.strip() for p in args.prompts.split(",") if p.strip()], None)
-        check_held_out(questions, specs, args.allow_training_prompts)
-    except BenchError as e:
-        print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
-        return 2
     # interleave categories so that every level sees a mix
     pools = [[q["turns"][0] for q in qs] for qs in questions.values()]
     prompts = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]
