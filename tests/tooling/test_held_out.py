@@ -95,3 +95,22 @@ def test_bench_commands_exit_2_before_starting_an_engine(command, capsys, tmp_pa
     err = capsys.readouterr().err
     assert "--prompts: 2 ShareGPT prompts" in err and "--allow-training-prompts" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_installed_command_checks_prompts_from_any_folder(tmp_path):
+    """The check imports what an installed package has (a module importable only from the repository's root broke
+    every `vllm-treespec bench` run outside it)."""
+    import subprocess
+    import sys
+
+    from vllm_treespec.eagle.default_head import find_default_head
+
+    if find_default_head() != shipped_head_path():
+        pytest.skip("a head trained into the cache folder is the default here")
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; from vllm_treespec.tools.cli import main; sys.exit(main())", "bench",
+         "--model", str(tmp_path), "--prompts", "sharegpt[1500:1502]", "--methods", "graft",
+         "--out", str(tmp_path / "out")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--prompts: 2 ShareGPT prompts" in run.stderr

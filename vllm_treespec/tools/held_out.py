@@ -48,7 +48,7 @@ def head_training_span(head: Path) -> tuple[int, int] | None:
 def heads_drafting(methods: Iterable[tuple[str, Mapping[str, Any]]]) -> list[Path]:
     """The head folders the given ``(method, options)`` draft with: the named folder, else the method's default head
     (the KV-aware one of its mode for ``kv_aware`` and graft's ``"kv_aware"``, the EAGLE-3 one otherwise)."""
-    from proposers.eagle_tree import default_kv_head_path
+    from vllm_treespec.proposers.eagle_tree import default_kv_head_path
 
     heads: list[Path] = []
     for method, options in methods:
