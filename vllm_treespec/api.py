@@ -199,6 +199,10 @@ class ProposeContext:
         sequence length beyond the step-cost curve's context) while the budget's model prices the context, else
         None: every row of a step attends to its request's whole sequence, and a proposer's own gate prices the
         rows of long requests as the verifier does (``DraftGate.should_draft(..., row_excess=mean)``).
+    self_gated_seconds: set by a proposer that runs an expensive drafter only when its own gate expects that drafter
+        to pay (graft's head): the seconds of this call spent in it. The step budget's gate charges the call without
+        them, so that a cheap part that drafts on every step (graft's retrieval) is priced at its own cost and not
+        gated off with the expensive one.
     """
 
     req_ids: list[str]
@@ -217,6 +221,7 @@ class ProposeContext:
     expectation_factor: float = 1.0
     row_excess: np.ndarray | None = None
     draft_rows: np.ndarray | None = None
+    self_gated_seconds: float = 0.0
 
     @property
     def num_reqs(self) -> int:

@@ -194,7 +194,9 @@ class GraftProposer(TreeProposer):
             self.stats.retrieval_only_steps += 1
         model_drafts = self._model_drafts(ctx, rows, budget) if use_drafter else {}
         if use_drafter:
-            self.head_cost.observe(len(rows), time.perf_counter() - started)
+            head_seconds = time.perf_counter() - started
+            self.head_cost.observe(len(rows), head_seconds)
+            ctx.self_gated_seconds = head_seconds  # priced by the head's own gate (head_drafts), not the verifier's
         floor = self.floor(ctx)
         alternatives = self.retrieval_alternatives(use_drafter)
         built = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor, alternatives) for i in rows}

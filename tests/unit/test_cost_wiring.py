@@ -4,6 +4,7 @@ sample) refines the cost model; install_budget / budget_report over a stand-in w
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -279,6 +280,31 @@ def test_the_drafters_price_includes_pricing_and_handing_over_its_trees(monkeypa
     verifier.propose([[9], [3], [6]])
     (num_reqs, seconds), = calls
     assert num_reqs == 3 and seconds == pytest.approx(0.001)  # one clock tick: start to after flatten_trees
+
+
+def test_a_drafter_the_proposer_gates_itself_is_not_charged_to_the_verifiers_gate(monkeypatch):
+    """graft's head runs only when graft's own gate expects it to pay; the verifier's gate charges graft's call
+    without it (``ctx.self_gated_seconds``). Charged with it, a head step's 20 ms made the whole call look dear and
+    the verifier's gate stopped asking for graft's cheap retrieval trees as well (HumanEval's repeated code, verified
+    on every step by vLLM's ngram, was drafted on a few steps in six)."""
+
+    class SelfGating(FakeProposer):
+        def propose_trees(self, ctx):
+            ctx.self_gated_seconds = 0.020  # 20 clock ticks of the call below were its own gated drafter
+            for _ in range(25):
+                time.perf_counter()
+            return super().propose_trees(ctx)
+
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    verifier.proposer = SelfGating({"a": SCORED})
+    clock = iter(np.arange(0, 100, 0.001).tolist())
+    monkeypatch.setattr("vllm_treespec.verify.verifier.time.perf_counter", lambda: next(clock))
+    calls = []
+    monkeypatch.setattr(verifier.budget, "drafted", lambda num_reqs, seconds: calls.append((num_reqs, seconds)))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    verifier.propose([[9], [3], [6]])
+    (num_reqs, seconds), = calls
+    assert num_reqs == 3 and seconds == pytest.approx(0.026 - 0.020)  # 26 ticks in the call, 20 of them gated
 
 
 def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():

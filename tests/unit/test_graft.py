@@ -624,9 +624,12 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     p.head_cost.observe(2, 0.001)
     p.propose_trees(pair)
     assert drafter.ingested == 3  # a few ms of head for ~0.9 tokens a request: it pays
+    assert pair.self_gated_seconds > 0  # the head's time, which graft's gate prices and the verifier's does not
     p.head_cost.buckets = {1: 10.0}  # a head that takes 10 s a step never pays
-    p.propose_trees(pair)
-    assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 1
+    retrieval_only = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+    retrieval_only.step_cost = pair.step_cost
+    p.propose_trees(retrieval_only)
+    assert drafter.ingested == 3 and p.stats.retrieval_only_steps == 1 and retrieval_only.self_gated_seconds == 0
     pair.probing = True  # ...but the verifier's probe measures the trees graft drafts when drafting pays
     p.propose_trees(pair)
     assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1
