@@ -2,15 +2,19 @@
 
 A tree step multiplies each weight by a handful of rows (the root and its draft nodes). On an AVX2 CPU without
 AVX-512, vLLM's bf16 CPU linear is torch's fallback GEMM (oneDNN cannot build a bf16 matmul there), whose time grows
-linearly with the rows: one more verified token cost about what a whole decode step does
-(``scripts/bench_cpu_linear.py``). This kernel streams each weight once per call and multiplies it by all rows
-while it is in cache:
+linearly with the rows: one more verified token cost about what a whole decode step does; and oneDNN's fp32 decode
+pass reads the weight at a third of the memory bandwidth one core has (``scripts/bench_cpu_linear.py``). This kernel
+streams each weight once per call and multiplies it by every row while it is in registers or L1:
 
-* the weight is walked in chunks of rows that fit in L2 (bf16 chunks are widened to fp32 once, into a buffer);
-* each output is a 2-row x 4-column register block whose products are summed in fp32 over the input dimension, in
-  the same order for every row of every call: an odd last row is computed as its own pair (and one copy
-  dropped), so a row's result does not depend on how many rows share the call (batch invariant, unlike
-  oneDNN's blocking);
+* the weight is packed at load into tiles of 8 output columns, each tile ``[in_features, 8]`` contiguous (one AVX2
+  register of fp32 per input element), so a call reads it as a few sequential streams;
+* a block of up to 4 rows x 3 tiles keeps its 12 x 8 sums in registers; for each input element ``k`` it loads the
+  3 tiles' weights once and multiplies them by each row's ``x[k]`` (broadcast), so up to 4 rows cost one pass over
+  the weight, and more rows reuse each block's weights from L1 (the hot loop is LLVM IR emitted through a numba
+  intrinsic: numba's own loops would keep the sums in memory);
+* every output is one fp32 sum over ``k`` in order from 0, a multiply-add per term (fused where the CPU has FMA),
+  whatever block computes it: a row's result does not depend on how many rows share the call (batch invariant,
+  unlike oneDNN's blocking);
 * the result is narrowed to the layer's dtype once (round to nearest even, as torch does);
 * an fp32 weight whose every value is a bf16 (a model stored in bf16 and run in fp32, as vLLM loads it) is kept as
   its bf16 bits: the same values, half the bytes to stream per step, and the same fp32 products and sums, so the
@@ -28,74 +32,157 @@ import time
 import weakref
 from typing import Callable
 
-import numba
+import llvmlite.binding as llvm
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 DTYPES = (torch.float32, torch.bfloat16)
-# Bytes of fp32 weight rows per chunk: a chunk stays in L2 (512 KiB per core on the CPUs we measured, 1-2 MiB on
-# newer ones) while every input row passes over it.
-CHUNK_BYTES = 256 * 1024
+#: output columns per tile: one 256-bit register of fp32 (AVX2; an AVX-512 CPU runs the same code on half registers)
+TILE = 8
+#: rows x tiles of one register block: 12 sums, 3 weight vectors and a broadcast fit AVX2's 16 registers
+BLOCK_ROWS = 4
+BLOCK_TILES = 3
+#: a multiply-add is one fused operation where the CPU has FMA (the same in every block, so batch invariant)
+FUSED = bool(llvm.get_host_cpu_features().get("fma", False))
+#: part of the saved-choice key (vllm_treespec.patches.cpu_gemm): a new kernel is timed again, not trusted
+KERNEL_VERSION = "tiles8-r4c3"
+
+_F32 = ir.FloatType()
+_VF = ir.VectorType(_F32, TILE)
+_VI = ir.VectorType(ir.IntType(32), TILE)
 
 
-def chunk_rows(in_features: int) -> int:
-    """Weight rows per chunk: a multiple of the 4-column block, at least one block."""
-    return max(4, (CHUNK_BYTES // (4 * in_features)) // 4 * 4)
+def _splat(builder, value):
+    undef = ir.Constant(_VF, ir.Undefined)
+    vec = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(vec, undef, ir.Constant(_VI, [0] * TILE))
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True, boundscheck=False)
-def _rows_times_chunk(x, w, row0, chunk, out, col0):
-    """out[:, col0 + j] = x @ w[row0 + j] for j < chunk (``w`` fp32, rows x K), in 2 x 4 register blocks."""
-    num_rows, in_features = x.shape
-    for m in range(0, num_rows, 2):
-        mb = m + 1 if m + 1 < num_rows else m  # an odd last row pairs with itself: same sums as any other row
-        j = 0
-        while j + 4 <= chunk:
-            a0 = np.float32(0.0); a1 = np.float32(0.0); a2 = np.float32(0.0); a3 = np.float32(0.0)
-            b0 = np.float32(0.0); b1 = np.float32(0.0); b2 = np.float32(0.0); b3 = np.float32(0.0)
-            for k in range(in_features):
-                xa = x[m, k]
-                xb = x[mb, k]
-                r = row0 + j
-                w0 = w[r, k]; w1 = w[r + 1, k]; w2 = w[r + 2, k]; w3 = w[r + 3, k]
-                a0 += xa * w0; a1 += xa * w1; a2 += xa * w2; a3 += xa * w3
-                b0 += xb * w0; b1 += xb * w1; b2 += xb * w2; b3 += xb * w3
-            c = col0 + j
-            out[m, c] = a0; out[m, c + 1] = a1; out[m, c + 2] = a2; out[m, c + 3] = a3
-            out[mb, c] = b0; out[mb, c + 1] = b1; out[mb, c + 2] = b2; out[mb, c + 3] = b3
-            j += 4
-        while j < chunk:  # the chunk's last columns (a weight whose row count is not a multiple of 4)
-            a0 = np.float32(0.0); b0 = np.float32(0.0)
-            for k in range(in_features):
-                a0 += x[m, k] * w[row0 + j, k]
-                b0 += x[mb, k] * w[row0 + j, k]
-            out[m, col0 + j] = a0
-            out[mb, col0 + j] = b0
-            j += 1
+def _load_weights(builder, ptr, bf16: bool):
+    if bf16:  # bf16 bits widened to fp32: exact (a bf16 is the top half of an fp32)
+        raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), TILE).as_pointer()), align=2)
+        return builder.bitcast(builder.shl(builder.zext(raw, _VI), ir.Constant(_VI, [16] * TILE)), _VF)
+    return builder.load(builder.bitcast(ptr, _VF.as_pointer()), align=4)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def linear_f32(x, w, out, rows_per_chunk):
-    """out = x @ w.T for fp32 ``x`` (M x K), fp32 ``w`` (N x K), fp32 ``out`` (M x N)."""
-    n = w.shape[0]
-    for n0 in range(0, n, rows_per_chunk):
-        n1 = min(n, n0 + rows_per_chunk)
-        _rows_times_chunk(x, w, n0, n1 - n0, out, n0)
+def _multiply_add(builder, a, b, c):
+    if FUSED:
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v8f32")
+        return builder.call(fma, [a, b, c])
+    return builder.fadd(c, builder.fmul(a, b))
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
-def linear_bf16(x, w_bits, out, rows_per_chunk):
-    """out = x @ w.T for fp32 ``x``, bf16 ``w`` given as its uint16 bits (N x K), fp32 ``out``: each chunk of
-    weight rows is widened to fp32 once (exact: bf16 is the top half of an fp32)."""
-    n, in_features = w_bits.shape
-    wide = np.empty((rows_per_chunk, in_features), np.uint32)
-    wide_f32 = wide.view(np.float32)
-    for n0 in range(0, n, rows_per_chunk):
-        n1 = min(n, n0 + rows_per_chunk)
-        for j in range(n1 - n0):
-            for k in range(in_features):
-                wide[j, k] = np.uint32(w_bits[n0 + j, k]) << 16
-        _rows_times_chunk(x, wide_f32, 0, n1 - n0, out, n0)
+def _register_block(rows: int, tiles: int):
+    """An intrinsic ``block(x, packed, out, r0, t0)``: ``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c``
+    for r < ``rows``, c < ``tiles``, the sums in registers."""
+
+    @intrinsic
+    def block(typingctx, x, packed, out, r0, t0):
+        if not all(isinstance(a, types.Array) and a.layout == "C" for a in (x, packed, out)):
+            return None
+        bf16 = packed.dtype == types.uint16
+        sig = types.void(x, packed, out, types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            x_arr, w_arr, o_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
+            r0, t0 = args[3], args[4]
+            i64 = r0.type
+            in_features = builder.extract_value(x_arr.shape, 1)
+            width = builder.extract_value(o_arr.shape, 1)
+            x_rows = [builder.gep(x_arr.data, [builder.mul(builder.add(r0, i64(r)), in_features)]) for r in range(rows)]
+            tile_len = builder.mul(in_features, i64(TILE))
+            w_tiles = [builder.gep(w_arr.data, [builder.mul(builder.add(t0, i64(c)), tile_len)]) for c in range(tiles)]
+            sums = [[cgutils.alloca_once(builder, _VF) for _ in range(tiles)] for _ in range(rows)]
+            for r in range(rows):
+                for c in range(tiles):
+                    builder.store(ir.Constant(_VF, [0.0] * TILE), sums[r][c])
+            with cgutils.for_range(builder, in_features) as loop:
+                k = loop.index
+                ws = [_load_weights(builder, builder.gep(w_tiles[c], [builder.mul(k, i64(TILE))]), bf16)
+                      for c in range(tiles)]
+                for r in range(rows):
+                    xk = _splat(builder, builder.load(builder.gep(x_rows[r], [k])))
+                    for c in range(tiles):
+                        builder.store(_multiply_add(builder, xk, ws[c], builder.load(sums[r][c])), sums[r][c])
+            for r in range(rows):
+                o_row = builder.gep(o_arr.data, [builder.mul(builder.add(r0, i64(r)), width)])
+                for c in range(tiles):
+                    ptr = builder.gep(o_row, [builder.mul(builder.add(t0, i64(c)), i64(TILE))])
+                    builder.store(builder.load(sums[r][c]), builder.bitcast(ptr, _VF.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return block
+
+
+# one intrinsic per block shape (rows and tiles are compile-time: the sums must be registers); the smaller ones
+# take the last rows and tiles of a call
+_b11, _b12, _b13 = (_register_block(1, c) for c in (1, 2, 3))
+_b21, _b22, _b23 = (_register_block(2, c) for c in (1, 2, 3))
+_b31, _b32, _b33 = (_register_block(3, c) for c in (1, 2, 3))
+_b41, _b42, _b43 = (_register_block(4, c) for c in (1, 2, 3))
+
+
+@njit(cache=True, nogil=True)
+def _block(x, packed, out, r0, t0, rows, tiles):
+    if rows == 4:
+        if tiles == 3:
+            _b43(x, packed, out, r0, t0)
+        elif tiles == 2:
+            _b42(x, packed, out, r0, t0)
+        else:
+            _b41(x, packed, out, r0, t0)
+    elif rows == 3:
+        if tiles == 3:
+            _b33(x, packed, out, r0, t0)
+        elif tiles == 2:
+            _b32(x, packed, out, r0, t0)
+        else:
+            _b31(x, packed, out, r0, t0)
+    elif rows == 2:
+        if tiles == 3:
+            _b23(x, packed, out, r0, t0)
+        elif tiles == 2:
+            _b22(x, packed, out, r0, t0)
+        else:
+            _b21(x, packed, out, r0, t0)
+    elif tiles == 3:
+        _b13(x, packed, out, r0, t0)
+    elif tiles == 2:
+        _b12(x, packed, out, r0, t0)
+    else:
+        _b11(x, packed, out, r0, t0)
+
+
+@njit(cache=True, nogil=True)
+def linear_packed(x, packed, out):
+    """out = x @ W.T for fp32 ``x`` (M x K) and W packed by :func:`pack_weight` (``[T, K, 8]``, fp32 or bf16 bits),
+    into fp32 ``out`` (M x 8T): for each block of 3 tiles, every block of 4 rows (the tiles stay in L1)."""
+    num_rows = x.shape[0]
+    num_tiles = packed.shape[0]
+    t = 0
+    while t < num_tiles:
+        tiles = min(BLOCK_TILES, num_tiles - t)
+        r = 0
+        while r < num_rows:
+            rows = min(BLOCK_ROWS, num_rows - r)
+            _block(x, packed, out, r, t, rows, tiles)
+            r += rows
+        t += tiles
+
+
+def pack_weight(weight: np.ndarray) -> np.ndarray:
+    """``[N, K]`` -> ``[ceil(N / 8), K, 8]``: tile t holds output columns 8t..8t+7 (zero columns pad the last)."""
+    n, k = weight.shape
+    num_tiles = -(-n // TILE)
+    padded = np.zeros((num_tiles * TILE, k), weight.dtype)
+    padded[:n] = weight
+    return np.ascontiguousarray(padded.reshape(num_tiles, TILE, k).transpose(0, 2, 1))
 
 
 def _weight_array(weight: torch.Tensor) -> np.ndarray:
@@ -110,17 +197,18 @@ def holds_only_bf16_values(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16).to(torch.float32), weight)
 
 
-def _linear(x: torch.Tensor, weight_array: np.ndarray, bias: torch.Tensor | None, out_dtype: torch.dtype,
-            rows_per_chunk: int) -> torch.Tensor:
-    out_features, in_features = weight_array.shape
+def _linear(x: torch.Tensor, packed: np.ndarray, out_features: int, bias: torch.Tensor | None,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    in_features = packed.shape[1]
     lead = x.shape[:-1]
     rows = x.reshape(-1, in_features).to(torch.float32).contiguous()  # exact for bf16 inputs
-    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    out = torch.empty((rows.shape[0], packed.shape[0] * TILE), dtype=torch.float32)
     if rows.shape[0]:
-        kernel = linear_bf16 if weight_array.dtype == np.uint16 else linear_f32
-        kernel(rows.numpy(), weight_array, out.numpy(), rows_per_chunk)
+        linear_packed(rows.numpy(), packed, out.numpy())
+    if out.shape[1] != out_features:
+        out = out[:, :out_features]
     if bias is not None:
-        out += bias.to(torch.float32)
+        out = out + bias.to(torch.float32)
     return out.to(out_dtype).reshape(*lead, out_features)
 
 
@@ -145,26 +233,27 @@ def _(x, bias, linear_id):
 class NumbaLinear:
     """``layer.cpu_linear`` for one weight: ``(x, weight, bias) -> x @ weight.T + bias`` in the weight's dtype.
 
-    Holds what it multiplies by (the weight itself, or its bf16 bits when an fp32 weight holds only bf16 values)
-    and ignores the ``weight`` argument, so the layer's own weight may be dropped (vLLM's ``remove_weight``).
+    Holds what it multiplies by, packed in tiles (the weight's values, as bf16 bits when an fp32 weight holds only
+    bf16 values) and ignores the ``weight`` argument, so the layer's own weight may be dropped (vLLM's ``remove_weight``).
     Eager calls go straight to the kernel; under torch.compile the call is the custom op :func:`numba_linear`."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, keep_bf16_values: bool = True):
+        """``keep_bf16_values=False`` keeps an fp32 weight as fp32 even where it holds only bf16 values (tests)."""
         if weight.dtype not in DTYPES or weight.dim() != 2:
             raise ValueError(f"NumbaLinear takes a 2-D float32 or bfloat16 weight, got {tuple(weight.shape)} "
                              f"{weight.dtype}")
         weight = weight.detach().contiguous()
         self.out_dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
-        self.compact = holds_only_bf16_values(weight)  # fp32 values kept as bf16 bits: half the bytes, same sums
-        self.stored = weight.to(torch.bfloat16) if self.compact else weight
-        self.rows_per_chunk = chunk_rows(self.in_features)
-        self._w = _weight_array(self.stored)
+        # fp32 values kept as bf16 bits: half the bytes, same sums
+        self.compact = keep_bf16_values and holds_only_bf16_values(weight)
+        stored = weight.to(torch.bfloat16) if self.compact else weight
+        self.packed = pack_weight(_weight_array(stored))  # what the kernel reads; the layer's weight may go
         self.linear_id = next(_linear_ids)
         _LINEARS[self.linear_id] = self
 
     def eager(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _linear(x, self._w, bias, self.out_dtype, self.rows_per_chunk)
+        return _linear(x, self.packed, self.out_features, bias, self.out_dtype)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,6 +51,7 @@ class ChoiceKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     vllm_version: str
     numba_version: str
     torch_threads: int
+    kernel: str = ""  # vllm_treespec.cpu_gemm.KERNEL_VERSION: a choice made against an older kernel is made again
 
 
 class ChoiceRecord(msgspec.Struct, forbid_unknown_fields=True):
@@ -62,10 +63,12 @@ def _choice_key() -> ChoiceKey:
     import numba
     import vllm
 
+    from vllm_treespec.cpu_gemm import KERNEL_VERSION
     from vllm_treespec.device_defaults import device_name
 
     return ChoiceKey(device=device_name(), torch_version=str(torch.__version__), vllm_version=str(vllm.__version__),
-                     numba_version=str(numba.__version__), torch_threads=torch.get_num_threads())
+                     numba_version=str(numba.__version__), torch_threads=torch.get_num_threads(),
+                     kernel=KERNEL_VERSION)
 
 
 def _shape_name(shape: tuple[torch.dtype, int, int, bool]) -> str:
@@ -116,11 +119,14 @@ def linear_mode() -> str:
 
 
 def kernel_summary() -> str:
-    """What this process's dense layers use, for the step-cost cache key: ``vllm``, ``numba`` or ``mixed``."""
+    """What this process's dense layers use, for the step-cost cache key: ``vllm``, ``numba <kernel>`` or ``mixed
+    <kernel>`` (a curve measured with another version of ours is measured again)."""
     used = set(_choices.values())
-    if not used:
+    if not used or used == {False}:
         return "vllm"
-    return "mixed" if len(used) == 2 else ("numba" if used == {True} else "vllm")
+    from vllm_treespec.cpu_gemm import KERNEL_VERSION
+
+    return f"{'mixed' if len(used) == 2 else 'numba'} {KERNEL_VERSION}"
 
 
 def _eligible(layer: torch.nn.Module) -> bool:
