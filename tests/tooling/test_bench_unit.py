@@ -326,3 +326,19 @@ def test_keep_off_worker_cpus_pins_every_server_process_but_the_worker():
         for proc in (plain, served):
             os.killpg(proc.pid, 9)
             proc.wait()
+
+
+def test_questions_longer_than_the_context_are_refused_before_any_engine_starts():
+    class WordTokenizer:  # one token per word of the templated prompt
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "<user> " + messages[-1]["content"] + " <assistant>"
+
+        def __call__(self, text):
+            return SimpleNamespace(input_ids=text.split())
+
+    questions = {"sharegpt": [{"question_id": "a", "category": "sharegpt", "turns": ["one two"]},
+                              {"question_id": "b", "category": "sharegpt", "turns": [" ".join(["w"] * 10)]}]}
+    bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=13)  # 12 tokens leave one to generate
+    with pytest.raises(BenchError, match=r"--prompts: 1 question\(s\) do not fit --max-model-len 12 .*"
+                                         r"sharegpt 'b' \(12 tokens\).*raise --max-model-len"):
+        bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=12)

@@ -244,6 +244,23 @@ class Conversation:
         return messages + [{"role": "user", "content": self.question["turns"][turn]}]
 
 
+def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_len: int) -> None:
+    """Refuse, before any engine starts, questions whose first turn does not fit the engine's context (vLLM would
+    fail the run at that prompt, after the methods before it had run)."""
+    too_long = []
+    for category, listed in questions.items():
+        for question in listed:
+            text = tokenizer.apply_chat_template(Conversation(question).messages(0), tokenize=False,
+                                                 add_generation_prompt=True)
+            tokens = len(tokenizer(text).input_ids)
+            if tokens >= max_model_len:
+                too_long.append(f"{category} {question['question_id']!r} ({tokens} tokens)")
+    if too_long:
+        raise BenchError(f"--prompts: {len(too_long)} question(s) do not fit --max-model-len {max_model_len} with "
+                         f"one output token: {', '.join(too_long)}; take a slice without them or raise "
+                         "--max-model-len")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # vLLM's spec-decode counters
 
@@ -700,6 +717,7 @@ def _run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    check_prompt_lengths(tokenizer, questions, args.max_model_len)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"bench: {sum(map(len, questions.values()))} questions in {len(questions)} categories, "
