@@ -84,6 +84,8 @@ def _register_block(rows: int, tiles: int):
     def block(typingctx, x, packed, out, r0, t0):
         if not all(isinstance(a, types.Array) and a.layout == "C" for a in (x, packed, out)):
             return None
+        if x.dtype != types.float32 or out.dtype != types.float32 or packed.dtype not in (types.float32, types.uint16):
+            return None  # the IR reads fp32 rows and writes fp32 sums
         bf16 = packed.dtype == types.uint16
         sig = types.void(x, packed, out, types.int64, types.int64)
 
@@ -234,7 +236,8 @@ class NumbaLinear:
     """``layer.cpu_linear`` for one weight: ``(x, weight, bias) -> x @ weight.T + bias`` in the weight's dtype.
 
     Holds what it multiplies by, packed in tiles (the weight's values, as bf16 bits when an fp32 weight holds only
-    bf16 values) and ignores the ``weight`` argument, so the layer's own weight may be dropped (vLLM's ``remove_weight``).
+    bf16 values) and ignores the ``weight`` argument, so the layer's own weight may be dropped (vLLM's
+    ``remove_weight``).
     Eager calls go straight to the kernel; under torch.compile the call is the custom op :func:`numba_linear`."""
 
     def __init__(self, weight: torch.Tensor, keep_bf16_values: bool = True):
