@@ -76,89 +76,64 @@ def _multiply_add(builder, a, b, c):
     return builder.fadd(c, builder.fmul(a, b))
 
 
-def _register_block(rows: int, tiles: int):
-    """An intrinsic ``block(x, packed, out, r0, t0)``: ``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c``
-    for r < ``rows``, c < ``tiles``, the sums in registers."""
-
-    @intrinsic
-    def block(typingctx, x, packed, out, r0, t0):
-        if not all(isinstance(a, types.Array) and a.layout == "C" for a in (x, packed, out)):
-            return None
-        if x.dtype != types.float32 or out.dtype != types.float32 or packed.dtype not in (types.float32, types.uint16):
-            return None  # the IR reads fp32 rows and writes fp32 sums
-        bf16 = packed.dtype == types.uint16
-        sig = types.void(x, packed, out, types.int64, types.int64)
-
-        def codegen(context, builder, signature, args):
-            x_arr, w_arr, o_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
-            r0, t0 = args[3], args[4]
-            i64 = r0.type
-            in_features = builder.extract_value(x_arr.shape, 1)
-            width = builder.extract_value(o_arr.shape, 1)
-            x_rows = [builder.gep(x_arr.data, [builder.mul(builder.add(r0, i64(r)), in_features)]) for r in range(rows)]
-            tile_len = builder.mul(in_features, i64(TILE))
-            w_tiles = [builder.gep(w_arr.data, [builder.mul(builder.add(t0, i64(c)), tile_len)]) for c in range(tiles)]
-            sums = [[cgutils.alloca_once(builder, _VF) for _ in range(tiles)] for _ in range(rows)]
-            for r in range(rows):
-                for c in range(tiles):
-                    builder.store(ir.Constant(_VF, [0.0] * TILE), sums[r][c])
-            with cgutils.for_range(builder, in_features) as loop:
-                k = loop.index
-                ws = [_load_weights(builder, builder.gep(w_tiles[c], [builder.mul(k, i64(TILE))]), bf16)
-                      for c in range(tiles)]
-                for r in range(rows):
-                    xk = _splat(builder, builder.load(builder.gep(x_rows[r], [k])))
-                    for c in range(tiles):
-                        builder.store(_multiply_add(builder, xk, ws[c], builder.load(sums[r][c])), sums[r][c])
-            for r in range(rows):
-                o_row = builder.gep(o_arr.data, [builder.mul(builder.add(r0, i64(r)), width)])
-                for c in range(tiles):
-                    ptr = builder.gep(o_row, [builder.mul(builder.add(t0, i64(c)), i64(TILE))])
-                    builder.store(builder.load(sums[r][c]), builder.bitcast(ptr, _VF.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return block
+def _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, rows: int, tiles: int, bf16: bool) -> None:
+    """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows``, c < ``tiles``, the sums in
+    registers (``rows`` and ``tiles`` are compile-time)."""
+    i64 = r0.type
+    in_features = builder.extract_value(x_arr.shape, 1)
+    width = builder.extract_value(o_arr.shape, 1)
+    x_rows = [builder.gep(x_arr.data, [builder.mul(builder.add(r0, i64(r)), in_features)]) for r in range(rows)]
+    tile_len = builder.mul(in_features, i64(TILE))
+    w_tiles = [builder.gep(w_arr.data, [builder.mul(builder.add(t0, i64(c)), tile_len)]) for c in range(tiles)]
+    sums = [[cgutils.alloca_once(builder, _VF) for _ in range(tiles)] for _ in range(rows)]
+    for r in range(rows):
+        for c in range(tiles):
+            builder.store(ir.Constant(_VF, [0.0] * TILE), sums[r][c])
+    with cgutils.for_range(builder, in_features) as loop:
+        k = loop.index
+        ws = [_load_weights(builder, builder.gep(w_tiles[c], [builder.mul(k, i64(TILE))]), bf16)
+              for c in range(tiles)]
+        for r in range(rows):
+            xk = _splat(builder, builder.load(builder.gep(x_rows[r], [k])))
+            for c in range(tiles):
+                builder.store(_multiply_add(builder, xk, ws[c], builder.load(sums[r][c])), sums[r][c])
+    for r in range(rows):
+        o_row = builder.gep(o_arr.data, [builder.mul(builder.add(r0, i64(r)), width)])
+        for c in range(tiles):
+            ptr = builder.gep(o_row, [builder.mul(builder.add(t0, i64(c)), i64(TILE))])
+            builder.store(builder.load(sums[r][c]), builder.bitcast(ptr, _VF.as_pointer()), align=4)
 
 
-# one intrinsic per block shape (rows and tiles are compile-time: the sums must be registers); the smaller ones
-# take the last rows and tiles of a call
-_b11, _b12, _b13 = (_register_block(1, c) for c in (1, 2, 3))
-_b21, _b22, _b23 = (_register_block(2, c) for c in (1, 2, 3))
-_b31, _b32, _b33 = (_register_block(3, c) for c in (1, 2, 3))
-_b41, _b42, _b43 = (_register_block(4, c) for c in (1, 2, 3))
+@intrinsic
+def _register_block(typingctx, x, packed, out, r0, t0, rows, tiles):
+    """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows`` (1..4), c < ``tiles`` (1..3):
+    one block shape per case of a switch (the sums must be registers, so each shape is its own code); the smaller
+    shapes take the last rows and tiles of a call."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (x, packed, out)):
+        return None
+    if x.dtype != types.float32 or out.dtype != types.float32 or packed.dtype not in (types.float32, types.uint16):
+        return None  # the IR reads fp32 rows and writes fp32 sums
+    bf16 = packed.dtype == types.uint16
+    sig = types.void(x, packed, out, types.int64, types.int64, types.int64, types.int64)
 
+    def codegen(context, builder, signature, args):
+        x_arr, w_arr, o_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
+        r0, t0, rows, tiles = args[3:]
+        i64 = r0.type
+        done = builder.append_basic_block("block_done")
+        shape = builder.add(builder.mul(rows, i64(BLOCK_TILES + 1)), tiles)
+        switch = builder.switch(shape, done)
+        for num_rows in range(1, BLOCK_ROWS + 1):
+            for num_tiles in range(1, BLOCK_TILES + 1):
+                case = builder.append_basic_block(f"block_{num_rows}x{num_tiles}")
+                switch.add_case(i64(num_rows * (BLOCK_TILES + 1) + num_tiles), case)
+                builder.position_at_end(case)
+                _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, num_rows, num_tiles, bf16)
+                builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
 
-@njit(cache=True, nogil=True)
-def _block(x, packed, out, r0, t0, rows, tiles):
-    if rows == 4:
-        if tiles == 3:
-            _b43(x, packed, out, r0, t0)
-        elif tiles == 2:
-            _b42(x, packed, out, r0, t0)
-        else:
-            _b41(x, packed, out, r0, t0)
-    elif rows == 3:
-        if tiles == 3:
-            _b33(x, packed, out, r0, t0)
-        elif tiles == 2:
-            _b32(x, packed, out, r0, t0)
-        else:
-            _b31(x, packed, out, r0, t0)
-    elif rows == 2:
-        if tiles == 3:
-            _b23(x, packed, out, r0, t0)
-        elif tiles == 2:
-            _b22(x, packed, out, r0, t0)
-        else:
-            _b21(x, packed, out, r0, t0)
-    elif tiles == 3:
-        _b13(x, packed, out, r0, t0)
-    elif tiles == 2:
-        _b12(x, packed, out, r0, t0)
-    else:
-        _b11(x, packed, out, r0, t0)
+    return sig, codegen
 
 
 @njit(cache=True, nogil=True)
@@ -173,7 +148,7 @@ def linear_packed(x, packed, out):
         r = 0
         while r < num_rows:
             rows = min(BLOCK_ROWS, num_rows - r)
-            _block(x, packed, out, r, t, rows, tiles)
+            _register_block(x, packed, out, r, t, rows, tiles)
             r += rows
         t += tiles
 
@@ -210,7 +185,7 @@ def _linear(x: torch.Tensor, packed: np.ndarray, out_features: int, bias: torch.
     if out.shape[1] != out_features:
         out = out[:, :out_features]
     if bias is not None:
-        out = out + bias.to(torch.float32)
+        out += bias.to(torch.float32)
     return out.to(out_dtype).reshape(*lead, out_features)
 
 
