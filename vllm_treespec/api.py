@@ -242,6 +242,9 @@ class VerificationResult:
     bonus_token: the token the target sampled after the accepted path.
     target_logits: [N+1, V] logits of the target at the root (row 0) and at every node (row 1+i), before
         sampling constraints. Valid only during the ``on_verified`` call; copy what you keep.
+    target_topk: (token ids int64 [N+1, k], probabilities float32 [N+1, k]): the target's k most likely tokens at
+        the same rows, most likely first, and their softmax probabilities over the whole vocabulary (before
+        sampling constraints); when the proposer sets ``wants_target_topk = k``.
     """
 
     req_id: str
@@ -249,6 +252,7 @@ class VerificationResult:
     accepted_nodes: list[int]
     bonus_token: int
     target_logits: torch.Tensor | None = None
+    target_topk: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def accepted_tokens(self) -> list[int]:
@@ -270,8 +274,13 @@ class TreeProposer:
     aux_hidden_state_layers: ClassVar[tuple[int, ...]] = ()
     #: ask for a read-only view of the target's KV cache in the context.
     needs_kv_cache: ClassVar[bool] = False
-    #: hand target logits to on_verified (costs a copy-free view; set False if unused).
+    #: hand target logits to on_verified: a float32 copy of every verified row (a request's 33 rows of a 49k vocabulary
+    #: are 6.5 MB), so ask only for what ``wants_target_topk`` cannot give.
     wants_target_logits: ClassVar[bool] = False
+    #: k > 0: hand on_verified the target's k most likely tokens and their probabilities at every verified row
+    #: (``VerificationResult.target_topk``), read from the logits in place (~35 us a row of a 49k vocabulary on one
+    #: CPU thread); an instance may set it (from its options).
+    wants_target_topk: int = 0
     #: names of the sources that score nodes (``DraftTree.node_sources`` indexes them); () = one source. The
     #: verifier learns an acceptance rate per source and raw-confidence bin for the step budget.
     acceptance_sources: tuple[str, ...] = ()

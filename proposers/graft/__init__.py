@@ -1,8 +1,9 @@
 """``graft``: prune-then-graft hybrid draft trees (Graft, "Draft Less, Retrieve More", arXiv 2605.20104), with a node
 budget that shrinks as the batch grows (ECHO, arXiv 2604.09603).
 
-Reads each request's committed tokens (``ctx.committed(i)``) and, after every verify step, the target's logits at all
-verified tree rows (``wants_target_logits``; ``on_verified`` sees tree rows only). Per request and step:
+Reads each request's committed tokens (``ctx.committed(i)``) and, after every verify step, the target's top
+``successor_k`` tokens and their probabilities at all verified tree rows (``wants_target_topk``; ``on_verified`` sees
+tree rows only). Per request and step:
 
 1. **Draft.** A model drafter (:class:`ModelDrafter`; the EAGLE-3 or KV-aware head of ``eagle_checkpoint``, drafting
    EAGLE-2 dynamic trees as ``eagle_tree`` / ``kv_aware`` do) drafts a scored tree, which graft takes level by level.

@@ -26,6 +26,7 @@ from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_T
 from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, RetrievalSources
 from vllm_treespec.retrieval import RetrievedTree, load_datastore
 from vllm_treespec.verify.calibration import AcceptanceCalibration
+from vllm_treespec.verify.topk import target_topk
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -44,7 +45,6 @@ class GraftStats:
 
 class GraftProposer(TreeProposer):
     options_type = GraftOptions
-    wants_target_logits = True
 
     def __init__(self, vllm_config: Any = None, options: GraftOptions | None = None, *,
                  drafter: ModelDrafter | None = None, vocab_size: int | None = None) -> None:
@@ -56,6 +56,8 @@ class GraftProposer(TreeProposer):
         self.checkpoints = dict(zip(checkpoints, thresholds)) if opts.prune else {}
         self.first_checkpoint = int(checkpoints[0])
         self.sources = self._retrieval_sources(vllm_config, vocab_size)
+        # the successor table learns the target's top-k at every verified row (on_verified)
+        self.wants_target_topk = self.sources.successors.k if self.sources.successors is not None else 0
         kind = device_kind(vllm_config)  # key of the per-device defaults
         self.max_budget = opts.budget or self.max_nodes or 0
         # With the engine's step budget on (ctx.step_cost), the verifier keeps the nodes that pay and DraftGate decides
@@ -297,24 +299,26 @@ class GraftProposer(TreeProposer):
     def on_verified(self, results: list[VerificationResult]) -> None:
         """Refresh the successor table from the target's distribution at every verified row: row 0 follows the root
         token, row 1 + j follows node j's token, whether the node was accepted or not."""
-        import torch
-
         if self.calibration is not None and self._learns_acceptance:
             self.calibration.observe_verified(results, self._last_trees)
-        tokens, logits = [], []
+        if self.sources.successors is None:
+            return
+        k = self.sources.successors.k
+        tokens, topk_ids, topk_probs = [], [], []
         for r in results:
             root = self._roots.get(r.req_id)
-            if r.target_logits is None or root is None:
+            if root is None or (r.target_topk is None and r.target_logits is None):
                 continue
-            n = min(r.target_logits.shape[0], r.tree.num_nodes + 1)
+            if r.target_topk is not None and r.target_topk[0].shape[1] >= k:
+                ids, probs = r.target_topk[0][:, :k], r.target_topk[1][:, :k]
+            else:  # offline replay hands whole logits rows
+                ids, probs = target_topk(r.target_logits, np.arange(r.target_logits.shape[0]), k)
+            n = min(ids.shape[0], r.tree.num_nodes + 1)
             tokens.append(np.concatenate([[root], r.tree.token_ids[: n - 1]]))
-            logits.append(r.target_logits[:n])
-        if not tokens or self.sources.successors is None:
-            return
-        rows = torch.cat(logits).float()
-        top, ids = rows.topk(self.sources.successors.k, dim=-1)
-        probs = torch.exp(top - torch.logsumexp(rows, dim=-1, keepdim=True))
-        self.learn_successors(np.concatenate(tokens), ids.numpy(), probs.numpy())
+            topk_ids.append(ids[:n])
+            topk_probs.append(probs[:n])
+        if tokens:
+            self.learn_successors(np.concatenate(tokens), np.concatenate(topk_ids), np.concatenate(topk_probs))
 
     def learn_successors(self, tokens: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
         """Row ``tokens[i]`` of the successor table := the target's top-k after it (also used by offline replay)."""

@@ -81,7 +81,12 @@ def repetitive(rng, n=60) -> list[int]:
 
 def test_builtin_name_resolves():
     assert load_proposer_class("graft") is GraftProposer
-    assert GraftProposer.options_type is GraftOptions and GraftProposer.wants_target_logits
+    assert GraftProposer.options_type is GraftOptions and not GraftProposer.wants_target_logits
+
+
+def test_graft_asks_for_the_targets_top_k_of_its_successor_table():
+    assert proposer(budget=4, successor_k=5).wants_target_topk == 5
+    assert proposer(budget=4, sources=("suffix",)).wants_target_topk == 0  # no successor table: nothing to learn
 
 
 @pytest.mark.parametrize("position", ["root", "deepest", "both"])
@@ -379,6 +384,20 @@ def test_successor_table_refreshes_from_every_verified_row():
     assert nxt.token_ids[0] == 30
     # results without logits and for unknown requests are ignored
     p.on_verified([VerificationResult("zzz", tree, [], 1, logits), VerificationResult("a", tree, [], 1, None)])
+
+
+def test_successor_table_learns_the_verifiers_top_k():
+    """In an engine the verifier hands each verified row's top k (``target_topk``), not whole logits rows."""
+    p = proposer(budget=6, sources=("successor",), prune=False, adaptive_budget=False, successor_k=2)
+    p.learn_successors(np.array([3]), np.array([[20, 21]]), np.array([[0.6, 0.3]]))
+    tree = p.propose_trees(make_ctx([[1, 2, 3]], req_ids=["a"]))[0]
+    rows = tree.num_nodes + 1
+    ids = np.stack([np.array([40 + j, 60 + j]) for j in range(rows)])
+    probs = np.tile(np.array([0.7, 0.2], np.float32), (rows, 1))
+    p.on_verified([VerificationResult("a", tree, accepted_nodes=[0], bonus_token=40, target_topk=(ids, probs))])
+    table = p.sources.successors
+    assert table.ids[3, :2].tolist() == [40, 60] and table.probs[3, 0] == pytest.approx(0.7)
+    assert table.ids[20, :2].tolist() == [41, 61] and table.ids[21, 0] == 42
 
 
 def test_successor_rows_are_seeded_from_committed_tokens_without_overriding_the_target():

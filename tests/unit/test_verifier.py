@@ -272,6 +272,28 @@ def sampler_output():
     return SimpleNamespace(sampled_token_ids=torch.tensor([[10, 99, -1, -1, -1, -1], [20, 21, 5, -1, -1, -1]]))
 
 
+def vllm_greedy(logits: torch.Tensor, metadata) -> SimpleNamespace:
+    """What vLLM's greedy sampler returns for a step (``metadata``: its SpecDecodeMetadata, or None): per request,
+    its drafts up to the first that is not the argmax, then that argmax or the bonus row's, padded with -1."""
+    argmax = logits.argmax(dim=-1).tolist()
+    if metadata is None:
+        return SimpleNamespace(sampled_token_ids=torch.tensor(argmax, dtype=torch.int32)[:, None])
+    width = metadata.max_spec_len + 1
+    drafts, targets = metadata.draft_token_ids.tolist(), metadata.target_logits_indices.tolist()
+    out, offset = [], 0
+    for i, n in enumerate(metadata.num_draft_tokens):
+        tokens = []
+        for j in range(offset, offset + n):  # the rows vLLM reads: its target and bonus indices
+            tokens.append(argmax[targets[j]])
+            if drafts[j] != argmax[targets[j]]:
+                break
+        else:
+            tokens.append(argmax[int(metadata.bonus_logits_indices[i])])
+        out.append(tokens + [-1] * (width - len(tokens)))
+        offset += n
+    return SimpleNamespace(sampled_token_ids=torch.tensor(out, dtype=torch.int32))
+
+
 def run_step(verifier, a_targets: list[int]):
     """Propose, schedule, attach, sample with one-hot targets: ``a_targets`` at a's root and nodes, [20, 21, 5]
     for b. Returns (the output's sampled tokens, the logits vLLM's sampler saw)."""
@@ -282,9 +304,9 @@ def run_step(verifier, a_targets: list[int]):
 
     def original(lg, metadata):
         seen.append(lg.clone())
-        return sampler_output()
+        return vllm_greedy(lg, metadata)
 
-    output = verifier.sample(original, logits.clone(), SimpleNamespace(num_draft_tokens=[5, 2]))
+    output = verifier.sample(original, logits.clone(), spec_metadata([[10, 11, 12, 13, 14], [20, 21]]))
     assert len(seen) == 1 and torch.equal(seen[0], logits)
     return output.sampled_token_ids.tolist()
 
@@ -326,7 +348,7 @@ def test_greedy_sample_reads_half_precision_logits(dtype):
     verifier.propose([[9], [5]])
     verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14], "b": [20, 21]}))
     logits = one_hot_logits(targets + [20, 21, 5]).to(dtype)
-    output = verifier.sample(lambda lg, md: sampler_output(), logits, SimpleNamespace(num_draft_tokens=[5, 2]))
+    output = verifier.sample(vllm_greedy, logits, spec_metadata([[10, 11, 12, 13, 14], [20, 21]]))
     assert output.sampled_token_ids.tolist() == [row_a, [20, 21, 5, -1, -1, -1]]
     assert verifier._layers[0].impl.moves == [kv_moves]
 
@@ -388,15 +410,34 @@ def test_proposer_gets_target_logits_when_it_asks():
     assert torch.equal(result.target_logits, one_hot_logits(targets))  # rows root, n0..n4 of a only
 
 
-def test_sample_without_tree_rows_is_vllms_own():
-    verifier = make_verifier(trees={"b": CHAIN_B})
-    verifier.propose([[9], [5]])
-    verifier.attach(*schedule(verifier.runner, {"b": [20, 21]}))
-    output = sampler_output()
-    assert verifier.sample(lambda lg, md: output, one_hot_logits([0] * 4), SimpleNamespace(num_draft_tokens=[0, 2])
-                           ) is output
-    assert output.sampled_token_ids[0].tolist() == [10, 99, -1, -1, -1, -1]
-    assert verifier.stats["tree_steps"] == 0
+def test_proposer_gets_the_targets_top_k_when_it_asks():
+    proposer = FakeProposer({"a": T, "b": CHAIN_B})
+    proposer.wants_target_topk = 2
+    verifier = make_verifier(proposer=proposer)
+    targets = CASES["n1 then n4"][0]
+    run_step(verifier, targets)
+    [result] = verifier.proposer.verified
+    ids, probs = result.target_topk
+    assert result.target_logits is None and ids.shape == (6, 2)  # rows root, n0..n4 of a only
+    assert ids[:, 0].tolist() == targets
+    rows = one_hot_logits(targets)
+    np.testing.assert_allclose(probs[:, 0], torch.softmax(rows, -1).max(-1).values.numpy(), rtol=1e-5)
+
+
+def test_greedy_chains_are_accepted_by_the_verifier_as_vllm_would():
+    """A step whose drafts are greedy chains only (b): vLLM samples each request's first row, the verifier accepts
+    the chain by argmax, giving what vLLM's greedy rejection sampler gives; no tree step is counted."""
+    seen = []
+    for b_targets, want in (([20, 21, 5], [20, 21, 5]), ([20, 8, 5], [20, 8]), ([3, 21, 5], [3])):
+        verifier = make_verifier(trees={"b": CHAIN_B})
+        verifier.propose([[9], [5]])
+        verifier.attach(*schedule(verifier.runner, {"b": [20, 21]}))
+        metadata = spec_metadata([[], [20, 21]])
+        logits = one_hot_logits([0] + b_targets)
+        output = verifier.sample(lambda lg, md: seen.append(md) or vllm_greedy(lg, md), logits, metadata)
+        assert output.sampled_token_ids.tolist() == vllm_greedy(logits, metadata).sampled_token_ids.tolist()
+        assert output.sampled_token_ids[1].tolist() == want + [-1] * (3 - len(want))
+        assert seen[-1].num_draft_tokens == [0, 0] and verifier.stats["tree_steps"] == 0
 
 
 def test_a_step_without_drafts_takes_vllms_plain_sampler():
@@ -409,9 +450,42 @@ def test_a_step_without_drafts_takes_vllms_plain_sampler():
     output = sampler_output()
     assert verifier.sample(lambda lg, md: seen.append(md) or output, one_hot_logits([0] * 2),
                            SimpleNamespace(num_draft_tokens=[0, 0])) is output
-    metadata = SimpleNamespace(num_draft_tokens=[0, 2])  # a chain's drafts: vLLM's rejection sampler verifies them
-    verifier.sample(lambda lg, md: seen.append(md) or output, one_hot_logits([0] * 4), metadata)
-    assert seen == [None, metadata]
+    assert seen == [None]
+
+
+def penalised_b() -> FakeRequest:
+    return FakeRequest("b", [1, 2, 3, 4, 5], [1, 4], SamplingParams(temperature=0.0, repetition_penalty=1.2))
+
+
+def test_chains_vllm_must_verify_or_logprobs_give_vllm_every_draft():
+    """A chain whose request samples, or has penalties, is verified by vLLM's rejection sampler, and so is every
+    request of a step where one asks for logprobs."""
+    seen = []
+    record = lambda lg, md: seen.append(md) or vllm_greedy(lg, md)  # noqa: E731
+    for b in (request_b_sampling(), penalised_b()):
+        verifier = make_verifier([request_a(), b])
+        verifier.propose([[9], [5]])
+        verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14], "b": [20, 21]}))
+        metadata = spec_metadata([[10, 11, 12, 13, 14], [20, 21]])
+        verifier.sample(record, one_hot_logits([0] * 9), metadata)
+        assert seen[-1] is metadata
+        verifier = make_verifier([request_a(), b], trees={"b": CHAIN_B})  # chains only
+        verifier.propose([[9], [5]])
+        verifier.attach(*schedule(verifier.runner, {"b": [20, 21]}))
+        metadata = spec_metadata([[], [20, 21]])
+        verifier.sample(record, one_hot_logits([0] * 4), metadata)
+        assert seen[-1] is metadata
+    verifier = make_verifier(trees={"a": T})
+    verifier.runner.input_batch.sampling_metadata = greedy_sampling_metadata(2, max_num_logprobs=0)
+    verifier.propose([[9], [5]])
+    verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14]}))
+    logprobs_metadata = spec_metadata([[10, 11, 12, 13, 14], []])
+    verifier.sample(record, one_hot_logits([0] * 7), logprobs_metadata)
+    assert seen[-1] is logprobs_metadata
+
+
+def request_b_sampling() -> FakeRequest:
+    return FakeRequest("b", [1, 2, 3, 4, 5], [1, 4], SamplingParams(temperature=0.8))
 
 
 @pytest.fixture
@@ -547,3 +621,85 @@ def test_finished_drops_pending_trees_and_tells_the_proposer():
     assert verifier.proposer.finished == []
     verifier.finished({"a"})
     assert verifier.pending == {} and verifier.proposer.finished == [{"a"}]
+
+
+# --- vLLM's rejection sampler on a step whose only drafts are trees ----------------------------------------------------
+
+def spec_metadata(drafts: list[list[int]]):
+    """vLLM's SpecDecodeMetadata of a step with these drafts, its logits rows laid out as vLLM lays them out."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    metadata = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    sampled = np.array([len(d) + 1 for d in drafts])
+    start = np.cumsum(sampled) - sampled
+    metadata.bonus_logits_indices = torch.from_numpy((start + sampled - 1).astype(np.int32))
+    metadata.target_logits_indices = torch.from_numpy(np.concatenate(
+        [np.arange(s, s + len(d)) for s, d in zip(start, drafts)]).astype(np.int32))
+    metadata.logits_indices = torch.arange(int(sampled.sum()), dtype=torch.int32)
+    return metadata
+
+
+def greedy_sampling_metadata(num_reqs: int, max_num_logprobs: int | None = None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
+        max_num_logprobs=max_num_logprobs, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(num_reqs), presence_penalties=torch.zeros(num_reqs),
+        repetition_penalties=torch.ones(num_reqs), output_token_ids=[[] for _ in range(num_reqs)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def test_a_step_whose_drafts_are_all_trees_asks_vllm_for_each_requests_first_row_only():
+    """Every drafted request is a tree request: vLLM's rejection sampler gets the step without drafts (its output
+    keeps its width), and the tree rows are written over its result as before."""
+    targets, row_a, _, _, _ = CASES["n1 then n4"]
+    verifier = make_verifier(trees={"a": T})
+    verifier.propose([[9], [5]])
+    verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14]}))
+    metadata = spec_metadata([[10, 11, 12, 13, 14], []])
+    seen = []
+
+    def original(lg, md):
+        seen.append(md)
+        return SimpleNamespace(sampled_token_ids=torch.tensor([[30, -1, -1, -1, -1, -1], [7, -1, -1, -1, -1, -1]]))
+
+    output = verifier.sample(original, one_hot_logits(targets + [7]), metadata)
+    [asked] = seen
+    assert asked.num_draft_tokens == [0, 0] and asked.max_spec_len == 5
+    assert asked.bonus_logits_indices.tolist() == [5, 6] and asked.target_logits_indices.numel() == 0
+    assert output.sampled_token_ids.tolist() == [row_a, [7, -1, -1, -1, -1, -1]]
+
+
+@pytest.fixture
+def cpu_kernels(cpu_expand_fix):
+    """vLLM's C++ stand-ins for its Triton kernels, as a CPU worker registers them (once per process)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    from vllm_treespec.patches import triton_dispatcher
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU kernels")
+    triton_dispatcher.apply()  # numba is imported: vLLM's scan needs the plugin's fix
+    if "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel" not in dispatcher._registry:
+        current_platform.register_triton_kernel_overrides()
+
+
+def test_vllms_rejection_sampler_samples_first_rows_only_without_drafts(cpu_kernels):
+    """What vLLM's own sampler makes of :func:`without_drafts`: each request's bonus row sampled into column 0, the
+    rest placeholders, at the width of the step with drafts."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_treespec.verify.accept import without_drafts
+
+    drafts = [[3, 4, 5], [], [6]]
+    metadata = spec_metadata(drafts)
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(0))
+    out = RejectionSampler(Sampler())(without_drafts(metadata), None, logits, greedy_sampling_metadata(3))
+    bonus = logits[metadata.bonus_logits_indices.long()].argmax(dim=-1)
+    assert out.sampled_token_ids.shape == (3, 4)
+    assert out.sampled_token_ids[:, 0].tolist() == bonus.tolist()
+    assert (out.sampled_token_ids[:, 1:] == -1).all()

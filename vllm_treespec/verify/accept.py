@@ -197,6 +197,84 @@ def sample_random(batch: TreeBatch, random_mask: np.ndarray, tree_logits: torch.
         out_len[r] = len(path)
 
 
+def greedy_chain_rows(num_draft_tokens: Any, tree_rows: np.ndarray, req_ids: list[str], requests: dict[str, Any]
+                      ) -> np.ndarray | None:
+    """The batch rows whose drafts are chains (drafted rows that are not ``tree_rows``), if every one of them
+    samples greedily with parameters a tree could take: then :func:`accept_chains` gives what vLLM's greedy
+    rejection sampler would. None if any of them needs vLLM's (sampling, penalties, logprobs...)."""
+    from vllm.sampling_params import SamplingType
+
+    from vllm_treespec.verify.support import tree_unsupported_reason
+
+    drafted = np.nonzero(np.asarray(num_draft_tokens, np.int64))[0]
+    rows = drafted[~np.isin(drafted, tree_rows)]
+    for row in rows.tolist():
+        state = requests.get(req_ids[row])
+        params = getattr(state, "sampling_params", None)
+        if (params is None or params.sampling_type != SamplingType.GREEDY
+                or tree_unsupported_reason(params) is not None):
+            return None
+    return rows
+
+
+def chain_target_rows(num_draft_tokens: Any, rows: np.ndarray) -> np.ndarray:
+    """The logits rows of the drafts of ``rows`` (each chain's target rows, without its bonus row), in order."""
+    num_draft = np.asarray(num_draft_tokens, np.int64)
+    first = np.cumsum(num_draft + 1) - (num_draft + 1)
+    return np.concatenate([np.arange(first[r], first[r] + num_draft[r]) for r in rows.tolist()] or
+                          [np.zeros(0, np.int64)])
+
+
+def accept_chains(sampled_token_ids: torch.Tensor, rows: np.ndarray, num_draft_tokens: Any, draft_token_ids: Any,
+                  argmax: np.ndarray) -> None:
+    """vLLM's greedy chain acceptance of ``rows``, in place: each row's drafts up to the first one that is not the
+    target's argmax (``argmax``: at :func:`chain_target_rows`), then that argmax, or the bonus token vLLM sampled
+    (column 0 of a step sampled :func:`without_drafts`) when every draft holds; padded with -1."""
+    if rows.size == 0:
+        return
+    num_draft = np.asarray(num_draft_tokens, np.int64)
+    draft_start = np.cumsum(num_draft) - num_draft
+    drafts = np.asarray(draft_token_ids.cpu().numpy() if isinstance(draft_token_ids, torch.Tensor)
+                        else draft_token_ids, np.int64)
+    out = sampled_token_ids.cpu().numpy() if sampled_token_ids.device.type != "cpu" else None
+    chains = np.full((rows.size, sampled_token_ids.shape[1]), -1, np.int64)
+    offset = 0
+    for j, r in enumerate(rows.tolist()):
+        n = int(num_draft[r])
+        draft, target = drafts[draft_start[r]: draft_start[r] + n], argmax[offset: offset + n]
+        offset += n
+        held = int(np.argmin(draft == target)) if not (draft == target).all() else n
+        chains[j, :held] = draft[:held]
+        bonus = out[r, 0] if out is not None else int(sampled_token_ids[r, 0])
+        chains[j, held] = target[held] if held < n else bonus
+    sampled_token_ids[torch.from_numpy(rows).to(sampled_token_ids.device)] = torch.from_numpy(chains).to(
+        sampled_token_ids.device, sampled_token_ids.dtype)
+
+
+def without_drafts(metadata: Any) -> Any:
+    """``metadata`` (vLLM's ``SpecDecodeMetadata``) with every request's drafts removed but the output width kept:
+    vLLM's rejection sampler then samples each request's first row only (the bonus sampler's work on ``num_reqs``
+    rows). Where every drafted request is a tree request or a greedy chain, the verifier accepts them itself
+    (:func:`write_chain_form`, :func:`accept_chains`), and the rejection sampler's float32 copy, clone and argmax of
+    every draft row (~140 ms for 16 requests' 32-node trees on one CPU thread) would be thrown away."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    num_reqs = len(metadata.num_draft_tokens)
+    bonus = metadata.bonus_logits_indices
+    plain = SpecDecodeMetadata(
+        draft_token_ids=metadata.draft_token_ids[:0],
+        num_draft_tokens=[0] * num_reqs,
+        cu_num_draft_tokens=torch.zeros_like(metadata.cu_num_draft_tokens),
+        cu_num_sampled_tokens=torch.arange(1, num_reqs + 1, dtype=metadata.cu_num_sampled_tokens.dtype,
+                                           device=metadata.cu_num_sampled_tokens.device),
+        target_logits_indices=metadata.target_logits_indices[:0],
+        bonus_logits_indices=bonus,
+        logits_indices=metadata.logits_indices,
+    )
+    plain.max_spec_len = metadata.max_spec_len  # the output keeps its [num_reqs, max_spec_len + 1] shape
+    return plain
+
+
 def write_chain_form(sampled_token_ids: torch.Tensor, batch: TreeBatch, out_tokens: np.ndarray) -> None:
     """Replace the tree requests' rows of the sampler's ``[batch rows, max_len + 1]`` output, in place."""
     sampled_token_ids[torch.from_numpy(batch.rows).to(sampled_token_ids.device)] = torch.from_numpy(out_tokens).to(
@@ -205,12 +283,15 @@ def write_chain_form(sampled_token_ids: torch.Tensor, batch: TreeBatch, out_toke
 
 def verification_results(batch: TreeBatch, out_tokens: np.ndarray, out_nodes: np.ndarray, out_len: np.ndarray,
                          tree_logits: torch.Tensor | None, row_offsets: np.ndarray, widths: np.ndarray,
-                         want_logits: bool) -> list[VerificationResult]:
-    """What ``TreeProposer.on_verified`` receives (with target logits if ``want_logits``)."""
+                         want_logits: bool, topk: tuple[np.ndarray, np.ndarray] | None = None
+                         ) -> list[VerificationResult]:
+    """What ``TreeProposer.on_verified`` receives (with target logits if ``want_logits``, and each request's rows of
+    ``topk``, the tree rows' :func:`~vllm_treespec.verify.topk.target_topk`, if given)."""
     results = []
     for r in range(batch.num_reqs):
         a = int(out_len[r])
-        logits_rows = tree_logits[row_offsets[r]: row_offsets[r] + widths[r]] if want_logits else None
+        rows = slice(row_offsets[r], row_offsets[r] + widths[r])
         results.append(VerificationResult(batch.req_ids[r], batch.trees[r], out_nodes[r, :a].tolist(),
-                                          int(out_tokens[r, a]), logits_rows))
+                                          int(out_tokens[r, a]), tree_logits[rows] if want_logits else None,
+                                          (topk[0][rows], topk[1][rows]) if topk is not None else None))
     return results

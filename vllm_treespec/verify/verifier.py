@@ -17,7 +17,8 @@ from vllm_treespec.attn.compact import compact_layers
 from vllm_treespec.cost.model import context_excess
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tree import TreeBatch
-from vllm_treespec.verify.accept import (accept, greedy_mask, logits_rows, read_logits, verification_results,
+from vllm_treespec.verify.accept import (accept, accept_chains, argmax_rows, chain_target_rows, greedy_chain_rows,
+                                         greedy_mask, logits_rows, read_logits, verification_results, without_drafts,
                                          write_chain_form)
 from vllm_treespec.verify.attach import (build_batch, committable_depths, cut_to_depth, flatten_trees, match_scheduled,
                                          rewrite_positions)
@@ -25,6 +26,7 @@ from vllm_treespec.verify.calibration import AcceptanceTracker
 from vllm_treespec.verify.chainize import aux_in_asked_order, chainize, committed_rows
 from vllm_treespec.verify.compact import accepted_moves, slots
 from vllm_treespec.verify.report import StepTimer
+from vllm_treespec.verify.topk import target_topk
 from vllm_treespec.verify.support import attention_layers, tree_unsupported_reason, unsupported_model_reason
 
 logger = logging.getLogger("vllm.treespec")
@@ -240,25 +242,45 @@ class TreeVerifier:
             self.budget.step_finished()
         batch, self.batch = self.batch, None
         plan.publish(None)
-        if batch is None or spec_decode_metadata is None:
-            if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
-                # vLLM builds spec-decode metadata for every step of a speculative engine and runs its rejection
-                # sampler even when no request has a draft; without drafts that is the plain sampler's result at
-                # about twice its cost (~0.5 ms a step on CPU): take the plain sampler, as without speculation
-                spec_decode_metadata = None
-            return original(logits, spec_decode_metadata)
+        metadata = spec_decode_metadata
+        if metadata is None or not any(metadata.num_draft_tokens):
+            # vLLM builds spec-decode metadata for every step of a speculative engine and runs its rejection sampler
+            # even when no request has a draft; without drafts that is the plain sampler's result at about twice
+            # its cost (~0.5 ms a step on CPU): take the plain sampler, as without speculation
+            return original(logits, None)
+        input_batch = self.runner.input_batch
+        # Where every drafted request is a tree or a greedy chain and none asks for logprobs, the verifier accepts
+        # them itself and vLLM's rejection sampler samples only each request's first row (without_drafts): its
+        # float32 copy, clone and argmax of every draft row cost more than the acceptance
+        chains = greedy_chain_rows(metadata.num_draft_tokens, batch.rows if batch is not None else np.zeros(0, int),
+                                   input_batch.req_ids, self.runner.requests)
+        fast = chains is not None and getattr(input_batch.sampling_metadata, "max_num_logprobs", None) is None
+        if batch is None and not fast:
+            return original(logits, metadata)
         started = time.perf_counter()
-        logits_index, row_offsets, widths = logits_rows(batch, spec_decode_metadata.num_draft_tokens)
+        chain_argmax = argmax_rows(logits, chain_target_rows(metadata.num_draft_tokens, chains)) if fast else None
+        if batch is None:
+            output = original(logits, without_drafts(metadata))
+            accept_chains(output.sampled_token_ids, chains, metadata.num_draft_tokens, metadata.draft_token_ids,
+                          chain_argmax)
+            return output
+        logits_index, row_offsets, widths = logits_rows(batch, metadata.num_draft_tokens)
         greedy = greedy_mask(batch, self.runner.requests)
         # Read what acceptance needs before vLLM's sampler runs (it may modify logits in place): argmax for greedy
         # rows; a float32 copy only where sampling or the proposer needs full distributions.
         argmax, tree_logits = read_logits(logits, logits_index,
                                           full=not greedy.all() or self.proposer.wants_target_logits)
+        learns = type(self.proposer).on_verified is not TreeProposer.on_verified
+        topk = (target_topk(logits, logits_index, self.proposer.wants_target_topk)
+                if learns and self.proposer.wants_target_topk > 0 else None)
         seconds = time.perf_counter() - started
         self.timer.add("accept", seconds)
         self._tree_seconds += seconds
 
-        output = original(logits, spec_decode_metadata)
+        output = original(logits, without_drafts(metadata) if fast else metadata)
+        if fast:
+            accept_chains(output.sampled_token_ids, chains, metadata.num_draft_tokens, metadata.draft_token_ids,
+                          chain_argmax)
 
         started = time.perf_counter()
         input_batch = self.runner.input_batch
@@ -281,10 +303,11 @@ class TreeVerifier:
         if os.environ.get("VLLM_TREESPEC_DEBUG"):
             logger.warning("vllm_treespec step: rows=%s accepted=%s", batch.rows.tolist(), out_len.tolist())
 
-        if type(self.proposer).on_verified is not TreeProposer.on_verified:
+        if learns:
             started = time.perf_counter()
             self.proposer.on_verified(verification_results(batch, out_tokens, out_nodes, out_len, tree_logits,
-                                                           row_offsets, widths, self.proposer.wants_target_logits))
+                                                           row_offsets, widths, self.proposer.wants_target_logits,
+                                                           topk))
             self._tree_seconds += time.perf_counter() - started
         if self.budget is not None:
             self.budget.tree_worked(self._tree_seconds)
