@@ -457,9 +457,9 @@ def penalised_b() -> FakeRequest:
     return FakeRequest("b", [1, 2, 3, 4, 5], [1, 4], SamplingParams(temperature=0.0, repetition_penalty=1.2))
 
 
-def test_chains_vllm_must_verify_or_logprobs_give_vllm_every_draft():
+def test_steps_vllm_must_verify_give_vllm_every_draft():
     """A chain whose request samples, or has penalties, is verified by vLLM's rejection sampler, and so is every
-    request of a step where one asks for logprobs."""
+    draft of a step where any request has penalties or asks for logprobs."""
     seen = []
     record = lambda lg, md: seen.append(md) or vllm_greedy(lg, md)  # noqa: E731
     for b in (request_b_sampling(), penalised_b()):
@@ -475,13 +475,15 @@ def test_chains_vllm_must_verify_or_logprobs_give_vllm_every_draft():
         metadata = spec_metadata([[], [20, 21]])
         verifier.sample(record, one_hot_logits([0] * 4), metadata)
         assert seen[-1] is metadata
-    verifier = make_verifier(trees={"a": T})
-    verifier.runner.input_batch.sampling_metadata = greedy_sampling_metadata(2, max_num_logprobs=0)
-    verifier.propose([[9], [5]])
-    verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14]}))
-    logprobs_metadata = spec_metadata([[10, 11, 12, 13, 14], []])
-    verifier.sample(record, one_hot_logits([0] * 7), logprobs_metadata)
-    assert seen[-1] is logprobs_metadata
+    # a request without drafts whose parameters vLLM applies to every draft row of the step (its penalties count
+    # the other requests' drafts): vLLM verifies the step
+    for b in (penalised_b(), FakeRequest("b", [1, 2, 3, 4, 5], [1, 4], SamplingParams(temperature=0.0, logprobs=1))):
+        verifier = make_verifier([request_a(), b], trees={"a": T})
+        verifier.propose([[9], [5]])
+        verifier.attach(*schedule(verifier.runner, {"a": [10, 11, 12, 13, 14]}))
+        metadata = spec_metadata([[10, 11, 12, 13, 14], []])
+        verifier.sample(record, one_hot_logits([0] * 7), metadata)
+        assert seen[-1] is metadata
 
 
 def request_b_sampling() -> FakeRequest:

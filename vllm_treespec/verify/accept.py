@@ -197,24 +197,29 @@ def sample_random(batch: TreeBatch, random_mask: np.ndarray, tree_logits: torch.
         out_len[r] = len(path)
 
 
-def greedy_chain_rows(num_draft_tokens: Any, tree_rows: np.ndarray, req_ids: list[str], requests: dict[str, Any]
-                      ) -> np.ndarray | None:
-    """The batch rows whose drafts are chains (drafted rows that are not ``tree_rows``), if every one of them
-    samples greedily with parameters a tree could take: then :func:`accept_chains` gives what vLLM's greedy
-    rejection sampler would. None if any of them needs vLLM's (sampling, penalties, logprobs...)."""
+def chains_the_verifier_accepts(num_draft_tokens: Any, tree_rows: np.ndarray, req_ids: list[str],
+                                requests: dict[str, Any], sampling_metadata: Any) -> np.ndarray | None:
+    """The batch rows whose drafts are chains (drafted rows that are not ``tree_rows``), when the verifier can
+    accept the whole step itself: every request of the step has parameters a tree could take (vLLM's rejection
+    sampler applies nothing to draft rows then: no penalties, bad words, allowed tokens, min_tokens, logprobs),
+    no thinking budget is tracked, and every chain samples greedily (:func:`accept_chains` then gives what vLLM's
+    greedy rejection sampler would). None otherwise: vLLM verifies the step."""
     from vllm.sampling_params import SamplingType
 
     from vllm_treespec.verify.support import tree_unsupported_reason
 
-    drafted = np.nonzero(np.asarray(num_draft_tokens, np.int64))[0]
-    rows = drafted[~np.isin(drafted, tree_rows)]
-    for row in rows.tolist():
-        state = requests.get(req_ids[row])
-        params = getattr(state, "sampling_params", None)
-        if (params is None or params.sampling_type != SamplingType.GREEDY
-                or tree_unsupported_reason(params) is not None):
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    if holder is not None and holder.has_tracked_requests():
+        return None
+    num_draft = np.asarray(num_draft_tokens, np.int64)
+    is_tree = np.isin(np.arange(num_draft.size), tree_rows)
+    for row in range(num_draft.size):
+        params = getattr(requests.get(req_ids[row]), "sampling_params", None)
+        if params is None or tree_unsupported_reason(params) is not None:
             return None
-    return rows
+        if num_draft[row] and not is_tree[row] and params.sampling_type != SamplingType.GREEDY:
+            return None
+    return np.nonzero((num_draft > 0) & ~is_tree)[0]
 
 
 def chain_target_rows(num_draft_tokens: Any, rows: np.ndarray) -> np.ndarray:

@@ -17,9 +17,9 @@ from vllm_treespec.attn.compact import compact_layers
 from vllm_treespec.cost.model import context_excess
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tree import TreeBatch
-from vllm_treespec.verify.accept import (accept, accept_chains, argmax_rows, chain_target_rows, greedy_chain_rows,
-                                         greedy_mask, logits_rows, read_logits, verification_results, without_drafts,
-                                         write_chain_form)
+from vllm_treespec.verify.accept import (accept, accept_chains, argmax_rows, chain_target_rows,
+                                         chains_the_verifier_accepts, greedy_mask, logits_rows, read_logits,
+                                         verification_results, without_drafts, write_chain_form)
 from vllm_treespec.verify.attach import (build_batch, committable_depths, cut_to_depth, flatten_trees, match_scheduled,
                                          rewrite_positions)
 from vllm_treespec.verify.calibration import AcceptanceTracker
@@ -249,12 +249,13 @@ class TreeVerifier:
             # its cost (~0.5 ms a step on CPU): take the plain sampler, as without speculation
             return original(logits, None)
         input_batch = self.runner.input_batch
-        # Where every drafted request is a tree or a greedy chain and none asks for logprobs, the verifier accepts
-        # them itself and vLLM's rejection sampler samples only each request's first row (without_drafts): its
-        # float32 copy, clone and argmax of every draft row cost more than the acceptance
-        chains = greedy_chain_rows(metadata.num_draft_tokens, batch.rows if batch is not None else np.zeros(0, int),
-                                   input_batch.req_ids, self.runner.requests)
-        fast = chains is not None and getattr(input_batch.sampling_metadata, "max_num_logprobs", None) is None
+        # Where every drafted request is a tree or a greedy chain and no request needs vLLM's processing of draft
+        # rows, the verifier accepts them itself and vLLM's rejection sampler samples only each request's first row
+        # (without_drafts): its float32 copy, clone and argmax of every draft row cost more than the acceptance
+        chains = chains_the_verifier_accepts(
+            metadata.num_draft_tokens, batch.rows if batch is not None else np.zeros(0, np.int64),
+            input_batch.req_ids, self.runner.requests, input_batch.sampling_metadata)
+        fast = chains is not None
         if batch is None and not fast:
             return original(logits, metadata)
         started = time.perf_counter()
