@@ -309,7 +309,7 @@ class GraftProposer(TreeProposer):
             root = self._roots.get(r.req_id)
             if root is None or (r.target_topk is None and r.target_logits is None):
                 continue
-            if r.target_topk is not None and r.target_topk[0].shape[1] >= k:
+            if r.target_topk is not None:  # the verifier's, of width wants_target_topk = k
                 ids, probs = r.target_topk[0][:, :k], r.target_topk[1][:, :k]
             else:  # offline replay hands whole logits rows
                 ids, probs = target_topk(r.target_logits, np.arange(r.target_logits.shape[0]), k)

@@ -20,10 +20,15 @@ from vllm_treespec.sampling import sample_accept
 from vllm_treespec.tree import TreeBatch, greedy_accept
 
 
+def first_logits_rows(num_draft_tokens: Any) -> np.ndarray:
+    """Per batch row, its first logits row (vLLM lays out ``num_draft_tokens + 1`` rows per batch row)."""
+    num_sampled = np.asarray(num_draft_tokens, np.int64) + 1
+    return np.cumsum(num_sampled) - num_sampled
+
+
 def logits_rows(batch: TreeBatch, num_draft_tokens: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(logits row of every tree query row, first of them per tree request in that list, ``1 + N`` per request)."""
-    num_sampled = np.asarray(num_draft_tokens, np.int64) + 1
-    row_start = np.cumsum(num_sampled) - num_sampled  # first logits row of each batch row
+    row_start = first_logits_rows(num_draft_tokens)
     widths = np.diff(batch.node_offsets) + 1
     row_offsets = np.cumsum(widths) - widths
     index = np.repeat(row_start[batch.rows], widths) + (np.arange(widths.sum()) - np.repeat(row_offsets, widths))
@@ -225,7 +230,7 @@ def chains_the_verifier_accepts(num_draft_tokens: Any, tree_rows: np.ndarray, re
 def chain_target_rows(num_draft_tokens: Any, rows: np.ndarray) -> np.ndarray:
     """The logits rows of the drafts of ``rows`` (each chain's target rows, without its bonus row), in order."""
     num_draft = np.asarray(num_draft_tokens, np.int64)
-    first = np.cumsum(num_draft + 1) - (num_draft + 1)
+    first = first_logits_rows(num_draft)
     return np.concatenate([np.arange(first[r], first[r] + num_draft[r]) for r in rows.tolist()] or
                           [np.zeros(0, np.int64)])
 
@@ -241,17 +246,17 @@ def accept_chains(sampled_token_ids: torch.Tensor, rows: np.ndarray, num_draft_t
     draft_start = np.cumsum(num_draft) - num_draft
     drafts = np.asarray(draft_token_ids.cpu().numpy() if isinstance(draft_token_ids, torch.Tensor)
                         else draft_token_ids, np.int64)
-    out = sampled_token_ids.cpu().numpy() if sampled_token_ids.device.type != "cpu" else None
+    bonus = sampled_token_ids[torch.from_numpy(rows).to(sampled_token_ids.device), 0].cpu().numpy()
     chains = np.full((rows.size, sampled_token_ids.shape[1]), -1, np.int64)
     offset = 0
     for j, r in enumerate(rows.tolist()):
         n = int(num_draft[r])
         draft, target = drafts[draft_start[r]: draft_start[r] + n], argmax[offset: offset + n]
         offset += n
-        held = int(np.argmin(draft == target)) if not (draft == target).all() else n
+        holds = draft == target
+        held = n if holds.all() else int(np.argmin(holds))
         chains[j, :held] = draft[:held]
-        bonus = out[r, 0] if out is not None else int(sampled_token_ids[r, 0])
-        chains[j, held] = target[held] if held < n else bonus
+        chains[j, held] = target[held] if held < n else bonus[j]
     sampled_token_ids[torch.from_numpy(rows).to(sampled_token_ids.device)] = torch.from_numpy(chains).to(
         sampled_token_ids.device, sampled_token_ids.dtype)
 

@@ -26,8 +26,8 @@ from vllm_treespec.verify.calibration import AcceptanceTracker
 from vllm_treespec.verify.chainize import aux_in_asked_order, chainize, committed_rows
 from vllm_treespec.verify.compact import accepted_moves, slots
 from vllm_treespec.verify.report import StepTimer
-from vllm_treespec.verify.topk import target_topk
 from vllm_treespec.verify.support import attention_layers, tree_unsupported_reason, unsupported_model_reason
+from vllm_treespec.verify.topk import target_topk
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -259,32 +259,29 @@ class TreeVerifier:
         if batch is None and not fast:
             return original(logits, metadata)
         started = time.perf_counter()
+        # Read what acceptance needs before vLLM's sampler runs (it may modify logits in place)
         chain_argmax = argmax_rows(logits, chain_target_rows(metadata.num_draft_tokens, chains)) if fast else None
-        if batch is None:
-            output = original(logits, without_drafts(metadata))
-            accept_chains(output.sampled_token_ids, chains, metadata.num_draft_tokens, metadata.draft_token_ids,
-                          chain_argmax)
-            return output
-        logits_index, row_offsets, widths = logits_rows(batch, metadata.num_draft_tokens)
-        greedy = greedy_mask(batch, self.runner.requests)
-        # Read what acceptance needs before vLLM's sampler runs (it may modify logits in place): argmax for greedy
-        # rows; a float32 copy only where sampling or the proposer needs full distributions.
-        argmax, tree_logits = read_logits(logits, logits_index,
-                                          full=not greedy.all() or self.proposer.wants_target_logits)
-        learns = type(self.proposer).on_verified is not TreeProposer.on_verified
-        topk = (target_topk(logits, logits_index, self.proposer.wants_target_topk)
-                if learns and self.proposer.wants_target_topk > 0 else None)
-        seconds = time.perf_counter() - started
-        self.timer.add("accept", seconds)
-        self._tree_seconds += seconds
+        if batch is not None:
+            logits_index, row_offsets, widths = logits_rows(batch, metadata.num_draft_tokens)
+            greedy = greedy_mask(batch, self.runner.requests)
+            # argmax for greedy rows; a float32 copy only where sampling or the proposer needs full distributions
+            argmax, tree_logits = read_logits(logits, logits_index,
+                                              full=not greedy.all() or self.proposer.wants_target_logits)
+            learns = type(self.proposer).on_verified is not TreeProposer.on_verified
+            topk = (target_topk(logits, logits_index, self.proposer.wants_target_topk)
+                    if learns and self.proposer.wants_target_topk > 0 else None)
+            seconds = time.perf_counter() - started
+            self.timer.add("accept", seconds)
+            self._tree_seconds += seconds
 
         output = original(logits, without_drafts(metadata) if fast else metadata)
         if fast:
             accept_chains(output.sampled_token_ids, chains, metadata.num_draft_tokens, metadata.draft_token_ids,
                           chain_argmax)
+        if batch is None:
+            return output
 
         started = time.perf_counter()
-        input_batch = self.runner.input_batch
         out_tokens, out_nodes, out_len = accept(
             batch, row_offsets, widths, argmax, output.sampled_token_ids.shape[1] - 1, greedy, tree_logits,
             input_batch.sampling_metadata, input_batch.num_reqs)
