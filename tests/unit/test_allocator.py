@@ -20,7 +20,7 @@ class Curve:
     def __init__(self, fn, per_request=0.0):
         self.fn, self.per_request = fn, per_request
 
-    def predict_many(self, num_tokens, num_reqs=1):
+    def predict_many(self, num_tokens, num_reqs=1, plain_tokens=None):
         return self.fn(np.asarray(num_tokens, np.float64)) + self.per_request * (num_reqs - 1)
 
 

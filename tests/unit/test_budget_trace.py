@@ -38,6 +38,8 @@ def test_no_trace_unless_the_variable_is_set(monkeypatch):
 
 def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     monkeypatch.setenv(trace.TRACE_ENV, str(tmp_path / "budget.jsonl"))
+    monkeypatch.setattr("vllm_treespec.cost.budget.PLAIN_SAMPLES", 0)  # the gate decides every step (not measured
+    # plain steps: test_cost_wiring.py)
     runner = fake_runner([FakeRequest("a", [1, 2, 3, 4, 9], [3, 0])], 8)
     verifier = TreeVerifier(runner, FakeProposer({"a": SCORED}))
     verifier._layers = [recording_layer()]
@@ -75,6 +77,7 @@ def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):
     assert [line["t"] for line in read] == [1.0, 2.0, 3.0, 4.0]
     whole = trace.summarize(read)
     assert whole["steps"] == 3 and whole["drafted"] == 2 and whole["probes"] == 1 and whole["verifying_steps"] == 1
+    assert whole["plain_samples"] == 0
     assert whole["accepted_per_verifying_step"] == 3 and whole["mean_factor"] == pytest.approx(0.75)
     assert trace.summarize(read, 1.5, 3.5)["steps"] == 1
     assert trace.summarize(read, 10.0) == {"steps": 0}

@@ -68,6 +68,14 @@ def test_piecewise_linear_extrapolates_with_last_slope_and_is_flat_below():
         PiecewiseLinear([1, 1], [1.0, 2.0])
 
 
+def test_the_tail_follows_the_upper_knots_not_the_last_segment():
+    # a short sweep on a busy machine (fp32, AVX2): the last segment is 0.9 ms per token where rows cost ~4-5
+    curve = PiecewiseLinear([1, 2, 3, 4, 6, 8, 12], [61.3, 79.0, 76.8, 77.6, 80.3, 107.6, 111.2])
+    assert 3.5 < curve.tail_slope < 6.0
+    assert curve(96.0) == pytest.approx(111.2 + 84 * curve.tail_slope)
+    assert PiecewiseLinear([1, 64], [10.0, 10.0]).tail_slope == 0.0  # flat stays flat (a GPU)
+
+
 @pytest.mark.parametrize("knots", [([2, 4, 8], [1.0, 2.0, 4.0]), ([1, 2, 4, 8], [0.042, 0.048, 0.033, 0.044]),
                                    ([4], [2.0]), ([1, 2], [2.0, 1.0])])
 def test_the_curve_at_one_point_is_the_curve(knots):
@@ -131,6 +139,29 @@ def test_online_refinement_follows_a_shifted_curve():
     before = model.predict(17)
     model.observe(17, 1, 1000.0)
     assert model.predict(17) < before * 1.2
+
+
+def test_plain_steps_and_verifying_steps_learn_apart():
+    """Eight requests' plain decode rows cost less than one request's tree rows of as many tokens (what the sweep
+    timed), and tree steps more: each kind's prediction follows its own steps, and a kind not seen yet borrows the
+    other's correction."""
+    model = StepCostModel.fit(samples_of(cpu_like))
+    base = float(cpu_like(8))
+    for _ in range(60):
+        model.observe(8, 8, 0.7 * base)  # plain
+    assert model.predict(8, 8, plain_tokens=8) == pytest.approx(0.7 * base + 7 * model.per_request * 0.7, rel=0.05)
+    # no verifying step seen yet: drafts are priced with the plain steps' correction
+    assert model.predict(8, 1, plain_tokens=4) == pytest.approx(0.7 * base, rel=0.05)
+    for _ in range(60):
+        model.observe(8, 1, 1.3 * base, drafts=7)
+    assert model.predict(8, 1, plain_tokens=1) == pytest.approx(1.3 * base, rel=0.05)
+    assert model.predict(8, 1, plain_tokens=8) == pytest.approx(0.7 * base, rel=0.05)  # plain unchanged
+    assert model.predict(8, 1) == pytest.approx(0.7 * base, rel=0.05)  # no plain_tokens: a plain step
+    assert model.marginal(4) == pytest.approx((model.predict(5, plain_tokens=4) - model.predict(4, plain_tokens=4)))
+    fresh = StepCostModel.fit(samples_of(cpu_like))
+    for _ in range(60):
+        fresh.observe(8, 1, 1.3 * base, drafts=7)
+    assert fresh.predict(8, 8, plain_tokens=8) == pytest.approx(1.3 * float(fresh.base(8, 8)), rel=0.05)
 
 
 def test_curve_model_for_a_drafter():

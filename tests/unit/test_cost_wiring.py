@@ -138,6 +138,39 @@ def test_host_time_is_the_cycle_less_the_forward_the_drafter_and_the_tree_work(m
     assert budget.host_seconds == pytest.approx(0.010)
 
 
+def test_drafts_wait_for_measured_plain_steps(monkeypatch):
+    """The gate prices drafting against the plain step: where forwards are timed, a token bucket whose plain
+    steps were not measured (or not lately) gets plain steps first, and the proposer only observes them."""
+    from vllm_treespec.cost import budget as budget_module
+
+    clock = Clock()
+    monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", clock)
+    tokens = np.arange(1, 40)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, 0.05 + 0.001 * tokens)), max_nodes=8)
+
+    def step(num_tokens, num_reqs, drafts, seconds):
+        budget.step_started(num_tokens, num_reqs, drafts=drafts)
+        clock.now += seconds
+        budget.step_finished()
+
+    assert budget.should_draft(8, step_reqs=8)  # nothing timed yet (as on an asynchronous GPU): no plain steps
+    step(17, 8, 9, 0.1)  # a verifying step of 8 requests
+    assert not budget.should_draft(8, step_reqs=8) and budget.stats["plain_samples"] == 1
+    for n in range(budget_module.PLAIN_SAMPLES):
+        assert not budget.should_draft(8, step_reqs=8)
+        step(8, 8, 0, 0.04)
+    assert budget.cost.correction.buckets[3] < 1.0 < budget.cost.draft_correction.buckets[4]
+    assert budget.should_draft(8, step_reqs=8) and budget.gate.probing  # measured: the gate decides (no history)
+    assert budget.stats["plain_samples"] == 1 + budget_module.PLAIN_SAMPLES
+    for _ in range(budget_module.PLAIN_SAMPLE_AGE + 1):
+        step(17, 8, 9, 0.1)
+    assert budget.should_draft(1, step_reqs=1) is False  # a bucket never measured (1 request)
+    samples = budget.stats["plain_samples"]
+    assert not budget.should_draft(8, step_reqs=8) and budget.stats["plain_samples"] == samples + 1  # too old
+    step(8, 8, 0, 0.04)
+    assert not budget.needs_plain_sample(8)
+
+
 def test_the_gate_skips_the_drafter_when_its_trees_do_not_pay():
     steep = np.arange(1, 40)
     budget = StepBudget(StepCostModel(PiecewiseLinear(steep, 0.05 * steep)), max_nodes=8)

@@ -565,7 +565,7 @@ class Linear:
     def __init__(self, base, per_token):
         self.base, self.per_token = base, per_token
 
-    def predict_many(self, num_tokens, num_reqs=1):
+    def predict_many(self, num_tokens, num_reqs=1, plain_tokens=None):
         return self.base + self.per_token * np.asarray(num_tokens, np.float64)
 
 
@@ -576,7 +576,7 @@ class LinearWithContext(Linear):
         super().__init__(base, per_token)
         self.per_position = per_position
 
-    def predict_many(self, num_tokens, num_reqs=1, excess=0.0):
+    def predict_many(self, num_tokens, num_reqs=1, excess=0.0, plain_tokens=None):
         return super().predict_many(num_tokens, num_reqs) + self.per_position * np.asarray(excess, np.float64)
 
 

@@ -30,16 +30,21 @@ ROUNDING_SECONDS = 1e-12
 
 
 class StepCost(Protocol):
-    """Seconds of steps of ``num_tokens`` tokens; ``excess`` (passed only when the caller knows the requests'
-    contexts): the steps' context terms, :func:`~vllm_treespec.cost.model.context_excess`."""
+    """Seconds of steps of ``num_tokens`` tokens, of which ``plain_tokens`` are not drafts (the counts above it are
+    steps that verify drafts); ``excess`` (passed only when the caller knows the requests' contexts): the steps'
+    context terms, :func:`~vllm_treespec.cost.model.context_excess`."""
 
-    def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1, excess: np.ndarray | float = 0.0
-                     ) -> np.ndarray: ...
+    def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1, excess: np.ndarray | float = 0.0,
+                     plain_tokens: float | None = None) -> np.ndarray: ...
 
 
-def _predict(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, excess: np.ndarray | None) -> np.ndarray:
-    seconds = cost.predict_many(num_tokens, num_reqs) if excess is None else cost.predict_many(num_tokens, num_reqs,
-                                                                                              excess=excess)
+def _predict(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, excess: np.ndarray | None,
+             plain_tokens: float) -> np.ndarray:
+    """``cost`` at ``num_tokens`` (``plain_tokens`` of them not drafts)."""
+    if excess is None:
+        seconds = cost.predict_many(num_tokens, num_reqs, plain_tokens=plain_tokens)
+    else:
+        seconds = cost.predict_many(num_tokens, num_reqs, excess=excess, plain_tokens=plain_tokens)
     return np.asarray(seconds, np.float64).copy()
 
 
@@ -110,20 +115,24 @@ def _row_seconds(cost: StepCost, num_reqs: int, base_tokens: int, base_excess: f
     """Per request, the seconds one more row of it adds to the plain step (at least a microsecond)."""
     tokens = np.full(row_excess.size + 1, base_tokens + 1, np.float64)
     tokens[0] = base_tokens
-    seconds = _predict(cost, tokens, num_reqs, base_excess + np.concatenate([[0.0], row_excess]))
+    seconds = _predict(cost, tokens, num_reqs, base_excess + np.concatenate([[0.0], row_excess]), base_tokens)
     return np.maximum(seconds[1:] - seconds[0], 1e-6)
 
 
 def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
                 overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
-                explore: bool = False, excess: np.ndarray | None = None) -> tuple[int, float, float, float]:
+                explore: bool = False, excess: np.ndarray | None = None, plain_tokens: int | None = None
+                ) -> tuple[int, float, float, float]:
     """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]),
     among the k whose step costs at most ``max_extra_seconds`` more than the plain step's (None: any).
     Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain.
     ``explore`` (with ``max_extra_seconds``): the largest such k instead, paying or not. ``excess``: the context term
-    of each prefix's step (len(gains) + 1 values; None: every row at the curve's context)."""
+    of each prefix's step (len(gains) + 1 values; None: every row at the curve's context). ``plain_tokens``: the
+    step's tokens without any draft (default ``base_tokens``; less when the base holds drafts of trees without
+    node_probs)."""
     k_all = np.arange(gains.size + 1)
-    seconds = _predict(cost, base_tokens + k_all, num_reqs, excess)
+    plain_tokens = base_tokens if plain_tokens is None else plain_tokens
+    seconds = _predict(cost, base_tokens + k_all, num_reqs, excess, plain_tokens)
     seconds[1:] += overhead
     expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
     rates = expected / np.maximum(seconds, 1e-12)
@@ -208,7 +217,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     if per_request is not None:
         excess = base_excess + np.concatenate([[0.0], np.cumsum(per_request[req[candidates]])])
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
-                                              min_gain, max_extra_seconds, explore, excess)
+                                              min_gain, max_extra_seconds, explore, excess, base_tokens)
     admitted = candidates[:k]
     out: list[DraftTree | None] = []
     num_nodes = np.zeros(n, np.int64)
@@ -360,7 +369,7 @@ class DraftGate:
         base = num_reqs if base_tokens is None else base_tokens
         k_all, tokens = self._gain_prefix(num_reqs, max_nodes)
         excess = None if row_excess is None else (num_reqs + k_all) * row_excess
-        seconds = _predict(self.cost, base + k_all, num_reqs, excess)
+        seconds = _predict(self.cost, base + k_all, num_reqs, excess, base)
         seconds[1:] += drafter_seconds + self.overhead
         rates = tokens / np.maximum(seconds, 1e-12)
         return float(rates[1:].max()) if k_all.size > 1 else 0.0, float(rates[0])
@@ -406,7 +415,7 @@ class DraftGate:
         base = num_reqs if base_tokens is None else base_tokens
         extra = np.arange(limit + 1, dtype=np.float64)
         seconds = _predict(self.cost, base + extra, num_reqs,
-                           None if row_excess is None else (num_reqs + extra) * row_excess)
+                           None if row_excess is None else (num_reqs + extra) * row_excess, base)
         return int(np.count_nonzero(seconds[1:] - seconds[0] <= self.allowance + ROUNDING_SECONDS))
 
     def _probe(self, seconds: float | None, requests: int | None = None) -> bool:

@@ -38,6 +38,12 @@ logger = logging.getLogger("vllm.treespec")
 
 #: a gap between two forwards longer than this is the engine waiting for requests, not host work
 MAX_HOST_SECONDS = 1.0
+#: plain steps a token bucket of the plain steps' correction needs before the gate may draft at it, and the steps
+#: after which its last one is too old (drift): drafting is priced against the plain step, so that price is
+#: measured on plain steps, not taken from verifying steps of as many tokens or from a sweep taken while the machine
+#: was busy (a fresh batch of 8 fp32 requests drafted for 30 steps against a plain step predicted 40% too dear)
+PLAIN_SAMPLES = 3
+PLAIN_SAMPLE_AGE = 64
 
 
 class StepTime:
@@ -47,13 +53,15 @@ class StepTime:
         self.forward = forward
         self.host = RunningMedian()
 
-    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0
-                     ) -> np.ndarray:
-        """``excess``: the step's context term (:func:`~vllm_treespec.cost.model.context_excess`)."""
-        return self.forward.predict_many(num_tokens, num_reqs, excess) + self.host.seconds
+    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
+                     plain_tokens: float | None = None) -> np.ndarray:
+        """``excess``: the step's context term (:func:`~vllm_treespec.cost.model.context_excess`);
+        ``plain_tokens``: its tokens without drafts (:meth:`StepCostModel.predict_many`)."""
+        return self.forward.predict_many(num_tokens, num_reqs, excess, plain_tokens) + self.host.seconds
 
-    def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0) -> float:
-        return float(self.predict_many(num_tokens, num_reqs, excess))
+    def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0,
+                plain_tokens: float | None = None) -> float:
+        return float(self.predict_many(num_tokens, num_reqs, excess, plain_tokens))
 
     def row_excess(self, seq_lens: np.ndarray) -> np.ndarray | None:
         """Per request, the context term of one more row of it (its sequence length beyond the curve's context);
@@ -91,11 +99,14 @@ class StepBudget:
         self.gate = DraftGate(self.step_time, self.drafter_cost)
         self.last: Allocation | None = None
         self._step: tuple[int, int, float] | None = None
-        self._previous: tuple[float, int, int, float | None] | None = None  # start, tokens, requests, forward s
+        self._drafts = 0  # draft tokens in the step whose forward started last
+        #: (start, tokens, requests, forward seconds, draft tokens) of the last step
+        self._previous: tuple[float, int, int, float | None, int] | None = None
+        self._plain_seen: dict[int, tuple[int, int]] = {}  # plain-step bucket -> (steps observed, last step index)
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
-                      "probes": 0, "observed_steps": 0}
+                      "probes": 0, "observed_steps": 0, "plain_samples": 0}
         self.trace = BudgetTrace.from_env()
 
     @classmethod
@@ -128,8 +139,25 @@ class StepBudget:
         return self.step_time.host.seconds
 
     # --- per step ----------------------------------------------------------------------------------------------
-    def should_draft(self, num_reqs: int, row_excess: np.ndarray | None = None) -> bool:
-        """``row_excess``: :meth:`StepTime.row_excess` of the drafting requests (None: at the curve's context)."""
+    def needs_plain_sample(self, plain_tokens: int) -> bool:
+        """Whether the next step should run plain to measure the plain step it would be priced against: its token
+        bucket has fewer than ``PLAIN_SAMPLES`` plain steps or none in the last ``PLAIN_SAMPLE_AGE`` steps. Only
+        where forwards are timed (a CPU worker): elsewhere no step would ever count."""
+        if not self.stats["observed_steps"]:
+            return False
+        seen, last = self._plain_seen.get(self.cost.correction.bucket(plain_tokens), (0, 0))
+        return seen < PLAIN_SAMPLES or self.stats["observed_steps"] - last > PLAIN_SAMPLE_AGE
+
+    def should_draft(self, num_reqs: int, row_excess: np.ndarray | None = None, step_reqs: int | None = None
+                     ) -> bool:
+        """``row_excess``: :meth:`StepTime.row_excess` of the drafting requests (None: at the curve's context);
+        ``step_reqs``: the requests of the step (default ``num_reqs``), whose plain step must be measured
+        (:meth:`needs_plain_sample`) before drafts are priced against it."""
+        if self.needs_plain_sample(num_reqs if step_reqs is None else step_reqs):
+            self.stats["plain_samples"] += 1
+            if self.trace is not None:
+                self.trace.plan(gate="plain")
+            return False
         self.gate.overhead = self.tree_work.seconds
         draft = self.gate.should_draft(num_reqs, self.max_nodes,
                                        row_excess=None if row_excess is None else float(np.mean(row_excess)))
@@ -181,27 +209,30 @@ class StepBudget:
             self.trace.plan(admitted=allocation.total_nodes, expected=allocation.expected_tokens)
         return allocation.trees
 
-    def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0) -> None:
-        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term) starts: the
-        previous step's host time is what the time since its start leaves after its forward, its drafter call and
-        its tree work."""
+    def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0, drafts: int = 0) -> None:
+        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term; ``drafts``:
+        its draft tokens) starts: the previous step's host time is what the time since its start leaves after its
+        forward, its drafter call and its tree work."""
         now = time.perf_counter()
         if self._previous is not None:
-            started, tokens, reqs, forward = self._previous
+            started, tokens, reqs, forward, drafted = self._previous
             if forward is None:  # not timed (an asynchronous device): the model's prediction
-                forward = self.cost.predict(tokens, reqs, self._excess)
+                forward = self.cost.predict(tokens, reqs, self._excess, plain_tokens=tokens - drafted)
             host = now - started - forward - self._cycle_other
             if host <= MAX_HOST_SECONDS:
                 self.step_time.host.add(max(host, 0.0))
         self._cycle_other = 0.0
         self._step = (int(num_tokens), int(num_reqs), now)
         self._excess = float(excess)
+        self._drafts = int(drafts)
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3)
             if num_tokens > 0 and num_reqs > 0:  # before this step's time refines the model
-                self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess) * 1e3)
-        self._previous = (now, int(num_tokens), int(num_reqs), None) if num_tokens > 0 and num_reqs > 0 else None
+                self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess,
+                                                               plain_tokens=int(num_tokens) - self._drafts) * 1e3)
+        self._previous = ((now, int(num_tokens), int(num_reqs), None, self._drafts)
+                          if num_tokens > 0 and num_reqs > 0 else None)
 
     def step_finished(self) -> None:
         """Fold the forward's time since :meth:`step_started` into the model (the caller synchronises the device)."""
@@ -211,9 +242,12 @@ class StepBudget:
         self._step = None
         if num_tokens > 0 and num_reqs > 0:
             seconds = time.perf_counter() - started
-            self.cost.observe(num_tokens, num_reqs, seconds, self._excess)
-            self._previous = (started, num_tokens, num_reqs, seconds)
+            self.cost.observe(num_tokens, num_reqs, seconds, self._excess, drafts=self._drafts)
+            self._previous = (started, num_tokens, num_reqs, seconds, self._drafts)
             self.stats["observed_steps"] += 1
+            if not self._drafts:
+                bucket = self.cost.correction.bucket(num_tokens)
+                self._plain_seen[bucket] = (self._plain_seen.get(bucket, (0, 0))[0] + 1, self.stats["observed_steps"])
             if self.trace is not None:
                 self.trace.note(forward_ms=seconds * 1e3)
 
@@ -223,7 +257,8 @@ class StepBudget:
         self._cycle_other += seconds
 
     def report(self) -> dict[str, Any]:
-        return {**self.stats, "corrections": self.cost.correction.buckets, "host_ms": self.host_seconds * 1e3,
+        return {**self.stats, "corrections": self.cost.correction.buckets,
+                "draft_corrections": self.cost.draft_correction.buckets, "host_ms": self.host_seconds * 1e3,
                 "tree_work_ms": self.tree_work.seconds * 1e3,
                 "drafter_ms": {2 ** b: s * 1e3 for b, s in sorted(self.drafter_cost.timed.buckets.items())}}
 

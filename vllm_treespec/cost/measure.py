@@ -7,7 +7,7 @@ argmax, all between device synchronisations. No request, scheduler or KV write i
 mapping is -1). Points are measured in interleaved rounds (drift and other load hit every point alike) after one
 warm-up each, and the median per point is kept; a point whose warm-up already takes ``stop_ratio`` times the
 single-token step (or more than the time budget allows) ends the grid: the model extrapolates beyond it with the
-last segment's slope, and no draft tree worth verifying lives there.
+slope of the grid's upper knots, and no draft tree worth verifying lives there.
 
 Entry points: :func:`measure_worker` for ``LLM.collective_rpc`` (returns plain data), :func:`step_cost_model` for
 engine start-up (the cached curve, or a fresh sweep that is then cached). A proposer may expose

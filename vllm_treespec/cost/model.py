@@ -3,7 +3,7 @@
     t(T, R, E) = f(T) + c * (R - 1) + a * E,  then times an online correction g(T)
 
 * ``f`` is piecewise linear through the median time at each measured token count (the knots), flat below the
-  first knot and extended beyond the last with the last segment's slope. It is not forced to be monotone: on CPUs
+  first knot and extended beyond the last with the slope of its upper knots. It is not forced to be monotone: on CPUs
   the GEMM path changes with the row count (SmolLM2-135M fp32, one thread, 2-core EPYC: 1 token 42 ms, 2 tokens 48 ms,
   4 tokens 33 ms), and the allocator handles any shape; ``monotone=True`` fits the closest non-decreasing curve
   (isotonic regression) instead;
@@ -16,7 +16,11 @@
   samples timed at a longer context;
 * ``g`` is learnt from the engine's own step times (:meth:`StepCostModel.observe`): an exponentially weighted mean of
   log(observed / predicted) per power-of-two token bucket, interpolated in log2(T) between the buckets seen so far,
-  so that drift, other load and costs the sweep cannot see (the tree-attention path) are followed.
+  so that drift, other load and costs the sweep cannot see (the tree-attention path) are followed. Plain steps and
+  steps that verify drafts learn apart (``correction``, ``draft_correction``; a prediction names the step's tokens
+  without drafts, ``plain_tokens``): the sweep times one request's tree rows, and eight requests' decode rows cost
+  less than one request's eight tree rows, so a table shared by both kinds priced a plain step by its last verifying
+  steps of about as many tokens (fp32, 7 requests: plain steps predicted at ~97 ms, measured ~70).
 
 Nothing here is specific to a device: a GPU's measured points give a flat ``f`` and so a flat curve. The fitted points
 are cached on disk per engine (:class:`CostCache`, keyed by :class:`CostKey`); a corrupt or foreign file is ignored
@@ -86,9 +90,11 @@ def isotonic(y: Sequence[float], weights: Sequence[float] | None = None) -> np.n
 
 
 class PiecewiseLinear:
-    """Piecewise-linear curve through ``(x, y)`` knots; flat below the first knot, extended with the last segment's
-    slope (floored at 0) beyond the last one (flat with a single knot). ``monotone``: through the closest
-    non-decreasing values instead (weighted by ``weights``)."""
+    """Piecewise-linear curve through ``(x, y)`` knots; flat below the first knot, extended beyond the last one
+    with the least-squares slope of the knots in the upper half of the range (at least the last two; floored at 0;
+    flat with a single knot): one noisy knot at the end of a short sweep (fp32 on an AVX2 CPU: 107.6 ms at 8
+    tokens, 111.2 at 12, a last segment of 0.9 ms per token where rows cost ~4) must not price every large tree.
+    ``monotone``: through the closest non-decreasing values instead (weighted by ``weights``)."""
 
     def __init__(self, x: Sequence[float], y: Sequence[float], weights: Sequence[float] | None = None,
                  monotone: bool = False) -> None:
@@ -104,7 +110,7 @@ class PiecewiseLinear:
             raise ValueError("knots must be distinct")
         self.x = x
         self.y = isotonic(y, None if weights is None else np.asarray(weights, np.float64)[order]) if monotone else y
-        self.tail_slope = max(float((self.y[-1] - self.y[-2]) / (x[-1] - x[-2])), 0.0) if x.size > 1 else 0.0
+        self.tail_slope = _tail_slope(x, self.y)
         self._knots: tuple[list[float], list[float]] | None = None
 
     def __call__(self, x: float | np.ndarray) -> np.ndarray:
@@ -127,6 +133,16 @@ class PiecewiseLinear:
         return ys[j] + (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j])
 
 
+def _tail_slope(x: np.ndarray, y: np.ndarray) -> float:
+    """The least-squares slope of the knots with ``x >= x[-1] / 2`` (at least the last two), floored at 0."""
+    if x.size < 2:
+        return 0.0
+    upper = min(int(np.count_nonzero(x >= x[-1] / 2)), x.size)
+    xs, ys = x[-max(upper, 2):], y[-max(upper, 2):]
+    dx = xs - xs.mean()
+    return max(float(np.dot(dx, ys - ys.mean()) / np.dot(dx, dx)), 0.0)
+
+
 class OnlineCorrection:
     """Multiplicative correction from observed / predicted ratios.
 
@@ -144,6 +160,16 @@ class OnlineCorrection:
         self._mean: dict[int, float] = {}
         self._weight: dict[int, float] = {}
         self._table: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def observed(self) -> bool:
+        """Whether any observation was folded in."""
+        return bool(self._mean)
+
+    @staticmethod
+    def bucket(x: float) -> int:
+        """The bucket an observation at ``x`` updates."""
+        return int(round(math.log2(max(x, 1.0))))
 
     def observe(self, x: float, ratio: float) -> None:
         if not (math.isfinite(ratio) and ratio > 0 and x >= 1):
@@ -196,7 +222,8 @@ class StepCostModel:
         self.per_request = max(float(per_request), 0.0)
         self.per_context = max(float(per_context), 0.0)  # a: seconds per row and position of context beyond
         self.reference_context = int(reference_context)
-        self.correction = OnlineCorrection(alpha)
+        self.correction = OnlineCorrection(alpha)  # plain steps'
+        self.draft_correction = OnlineCorrection(alpha)  # steps that verify drafts
 
     @classmethod
     def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA, monotone: bool = False,
@@ -234,29 +261,45 @@ class StepCostModel:
             seconds = np.maximum(seconds + self.per_context * np.asarray(excess, np.float64), 0.5 * seconds)
         return seconds
 
-    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0
-                     ) -> np.ndarray:
+    def factor(self, num_tokens: float | np.ndarray, plain_tokens: float | None = None) -> np.ndarray:
+        """The online correction at each token count: plain steps' up to ``plain_tokens`` (None: at every count),
+        that of steps verifying drafts above it; a table with no observation yet borrows the other's."""
         tokens = np.asarray(num_tokens, np.float64)
-        return self.base(tokens, num_reqs, excess) * self.correction.factor(tokens)
+        plain_table = self.correction if self.correction.observed else self.draft_correction
+        plain = plain_table.factor(tokens)
+        if plain_tokens is None:
+            return plain
+        draft_table = self.draft_correction if self.draft_correction.observed else plain_table
+        return np.where(tokens > plain_tokens, draft_table.factor(tokens), plain)
 
-    def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0) -> float:
+    def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
+                     plain_tokens: float | None = None) -> np.ndarray:
+        """``plain_tokens``: the step's tokens without drafts; counts above it are priced as steps that verify
+        drafts (None: every count as a plain step)."""
+        tokens = np.asarray(num_tokens, np.float64)
+        return self.base(tokens, num_reqs, excess) * self.factor(tokens, plain_tokens)
+
+    def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0,
+                plain_tokens: float | None = None) -> float:
         """Seconds of a step with ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term's
-        E, :func:`context_excess`)."""
-        return float(self.predict_many(num_tokens, num_reqs, excess))
+        E, :func:`context_excess`; ``plain_tokens``: as :meth:`predict_many`)."""
+        return float(self.predict_many(num_tokens, num_reqs, excess, plain_tokens))
 
     def marginal(self, num_tokens: float, num_reqs: int = 1, extra: int = 1) -> float:
-        """Seconds added by ``extra`` more tokens in a step that has ``num_tokens`` (per added token if extra > 1:
-        the mean)."""
-        return (self.predict(num_tokens + extra, num_reqs) - self.predict(num_tokens, num_reqs)) / extra
+        """Seconds added by ``extra`` more tokens (drafts) in a step that has ``num_tokens`` (per added token if
+        extra > 1: the mean)."""
+        return (self.predict(num_tokens + extra, num_reqs, plain_tokens=num_tokens)
+                - self.predict(num_tokens, num_reqs, plain_tokens=num_tokens)) / extra
 
     # --- online refinement -----------------------------------------------------------------------------------------
-    def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0) -> None:
-        """Fold one observed step time into the correction of its token bucket."""
+    def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0, drafts: int = 0) -> None:
+        """Fold one observed step time into the correction of its token bucket: the plain steps' table, or with
+        ``drafts`` > 0 (draft tokens verified in the step) that of steps verifying drafts."""
         base = self.curve.at(float(num_tokens)) + self.per_request * max(int(num_reqs) - 1, 0)
         if self.per_context:  # as base()
             base = max(base + self.per_context * float(excess), 0.5 * base)
         if base > 0:
-            self.correction.observe(num_tokens, seconds / base)
+            (self.draft_correction if drafts > 0 else self.correction).observe(num_tokens, seconds / base)
 
     def table(self, tokens: Sequence[int], num_reqs: int = 1) -> list[tuple[int, int, float, float]]:
         """(tokens, requests, seconds, marginal seconds per token) for each token count."""
@@ -269,7 +312,8 @@ class CurveModel:
 
     def __init__(self, curve: PiecewiseLinear, alpha: float = DEFAULT_ALPHA) -> None:
         self.curve = curve
-        self.correction = OnlineCorrection(alpha)
+        self.correction = OnlineCorrection(alpha)  # plain steps'
+        self.draft_correction = OnlineCorrection(alpha)  # steps that verify drafts
 
     @classmethod
     def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA, monotone: bool = False) -> CurveModel:

@@ -7,7 +7,8 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     reqs       requests in the step;  tokens: tokens in the forward;  forward_ms: its measured time
     predicted_ms  the step-cost model's prediction of that forward, before its time refined the model
     host_ms    the host time per step the budget charges (a running median)
-    gate       "draft", "probe" or "skip" (the drafter gate's decision), absent when the gate was not asked
+    gate       "draft", "probe" or "skip" (the drafter gate's decision), "plain" (a plain step that measures the plain
+               step drafts are priced against, StepBudget.needs_plain_sample), absent when the gate was not asked
     best, plain  the gate's predicted rates (tokens/s) with drafting and without, when it decided on them
     surplus_ms what the drafted steps' allocations saved lately, per step, from the drafts the target accepted (the
                gate drafts while it beats drafter_ms)
@@ -122,8 +123,9 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "steps": len(steps),
         "mean_reqs": sum(s["reqs"] for s in steps) / len(steps),
         "gate_asked": len(asked),
-        "drafted": sum(s["gate"] != "skip" for s in asked),
+        "drafted": sum(s["gate"] in ("draft", "probe") for s in asked),
         "probes": sum(s["gate"] == "probe" for s in asked),
+        "plain_samples": sum(s["gate"] == "plain" for s in asked),
         "verifying_steps": len(verifying),
         "admitted_per_verifying_step": sum(s["admitted"] for s in verifying) / max(len(verifying), 1),
         "accepted_per_verifying_step": sum(s.get("accepted", 0) for s in verifying) / max(len(verifying), 1),

@@ -183,7 +183,7 @@ class TreeVerifier:
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         drafting = len(rows)
         if self.never_draft or (budget is not None and drafting and not budget.should_draft(
-                drafting, None if row_excess is None else row_excess[rows])):
+                drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs)):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
@@ -213,7 +213,8 @@ class TreeVerifier:
             if self.budget.cost.per_context:  # each row attends to its request's sequence up to the step's end
                 seq_lens = self.runner.input_batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens
                 excess = context_excess(num_scheduled_tokens, seq_lens, self.budget.cost.reference_context)
-            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess)
+            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess, drafts)
         if self._tracks_acceptance():
             self.acceptance.scheduled(scheduler_output.scheduled_spec_decode_tokens)
         pending, self.pending = self.pending, {}
