@@ -284,6 +284,7 @@ def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, 
             pass
 
     monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
     bench_serve.main(common + ["--plain", "graft_plain"])
     assert envs["graft_plain"][NEVER_DRAFT_ENV] == "1"
     assert NEVER_DRAFT_ENV not in envs["graft"] and NEVER_DRAFT_ENV not in envs["none"]
@@ -328,17 +329,41 @@ def test_keep_off_worker_cpus_pins_every_server_process_but_the_worker():
             proc.wait()
 
 
+class WordTokenizer:  # one token per word of the templated prompt
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "<user> " + messages[-1]["content"] + " <assistant>"
+
+    def __call__(self, text):
+        return SimpleNamespace(input_ids=text.split())
+
+
 def test_questions_longer_than_the_context_are_refused_before_any_engine_starts():
-    class WordTokenizer:  # one token per word of the templated prompt
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-            return "<user> " + messages[-1]["content"] + " <assistant>"
-
-        def __call__(self, text):
-            return SimpleNamespace(input_ids=text.split())
-
     questions = {"sharegpt": [{"question_id": "a", "category": "sharegpt", "turns": ["one two"]},
                               {"question_id": "b", "category": "sharegpt", "turns": [" ".join(["w"] * 10)]}]}
     bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=13)  # 12 tokens leave one to generate
     with pytest.raises(BenchError, match=r"--prompts: 1 question\(s\) do not fit --max-model-len 12 .*"
                                          r"sharegpt 'b' \(12 tokens\).*raise --max-model-len"):
         bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=12)
+    bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=16, output_tokens=4)
+    with pytest.raises(BenchError, match=r"do not fit --max-model-len 15 with 4 output tokens: sharegpt 'b'"):
+        bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=15, output_tokens=4)
+
+
+def test_bench_serve_refuses_prompts_that_leave_no_room_for_max_tokens(tmp_path, monkeypatch, capsys):
+    """A server answers a prompt that cannot take ``--max-tokens`` more with an error: such prompts are refused
+    before any server starts, named, with the fix."""
+    from vllm_treespec.tools import bench_serve
+
+    path = tmp_path / "q.jsonl"
+    turns = ["short one", " ".join(["w"] * 40), "short two"]
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [t]})
+                              for i, t in enumerate(turns)))
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
+    started = []
+    monkeypatch.setattr(bench_serve, "ServerProcess", lambda *a, **k: started.append(a))
+    common = ["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1", "--requests-per-level", "3",
+              "--methods", "none", "--out", str(tmp_path / "out")]
+    assert bench_serve.main(common + ["--max-model-len", "64", "--max-tokens", "32"]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit --max-model-len 64 with 32 output tokens: a 1 (42 tokens)" in err
+    assert "raise --max-model-len" in err and not started and not (tmp_path / "out").exists()

@@ -244,21 +244,23 @@ class Conversation:
         return messages + [{"role": "user", "content": self.question["turns"][turn]}]
 
 
-def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_len: int) -> None:
-    """Refuse, before any engine starts, questions whose first turn does not fit the engine's context (vLLM would
-    fail the run at that prompt, after the methods before it had run)."""
+def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_len: int,
+                         output_tokens: int = 1) -> None:
+    """Refuse, before any engine starts, questions whose first turn does not fit the engine's context with
+    ``output_tokens`` more (vLLM would fail the run at that prompt, after the methods before it had run; a server
+    answers that request with an error, and the level counts one request fewer)."""
     too_long = []
     for category, listed in questions.items():
         for question in listed:
             text = tokenizer.apply_chat_template(Conversation(question).messages(0), tokenize=False,
                                                  add_generation_prompt=True)
             tokens = len(tokenizer(text).input_ids)
-            if tokens >= max_model_len:
+            if tokens + output_tokens > max_model_len:
                 too_long.append(f"{category} {question['question_id']!r} ({tokens} tokens)")
     if too_long:
+        outputs = "one output token" if output_tokens == 1 else f"{output_tokens} output tokens"
         raise BenchError(f"--prompts: {len(too_long)} question(s) do not fit --max-model-len {max_model_len} with "
-                         f"one output token: {', '.join(too_long)}; take a slice without them or raise "
-                         "--max-model-len")
+                         f"{outputs}: {', '.join(too_long)}; take a slice without them or raise --max-model-len")
 
 
 # ----------------------------------------------------------------------------------------------------------------

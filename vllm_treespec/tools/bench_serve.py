@@ -32,7 +32,8 @@ from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
-from vllm_treespec.tools.bench import ALLOW_TRAINING_PROMPTS_HELP, check_held_out, load_questions
+from vllm_treespec.tools.bench import (ALLOW_TRAINING_PROMPTS_HELP, check_held_out, check_prompt_lengths,
+                                       load_questions)
 from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import off_the_workers_cpus
@@ -267,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_tokenizer(model: str):
+    """The served model's tokenizer (to check the prompts' lengths before any server starts)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -305,6 +313,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"--concurrency {','.join(map(str, args.concurrency))} with --requests-per-level "
               f"{args.requests_per_level} sends {needed} requests per server, each a different prompt: give more "
               f"prompts or send fewer requests", file=sys.stderr)
+        return 2
+    try:
+        check_prompt_lengths(load_tokenizer(args.model), questions, args.max_model_len, args.max_tokens)
+    except BenchError as e:
+        print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
