@@ -137,8 +137,8 @@ def _tail_slope(x: np.ndarray, y: np.ndarray) -> float:
     """The least-squares slope of the knots with ``x >= x[-1] / 2`` (at least the last two), floored at 0."""
     if x.size < 2:
         return 0.0
-    upper = min(int(np.count_nonzero(x >= x[-1] / 2)), x.size)
-    xs, ys = x[-max(upper, 2):], y[-max(upper, 2):]
+    upper = max(int(np.count_nonzero(x >= x[-1] / 2)), 2)
+    xs, ys = x[-upper:], y[-upper:]
     dx = xs - xs.mean()
     return max(float(np.dot(dx, ys - ys.mean()) / np.dot(dx, dx)), 0.0)
 
@@ -174,7 +174,7 @@ class OnlineCorrection:
     def observe(self, x: float, ratio: float) -> None:
         if not (math.isfinite(ratio) and ratio > 0 and x >= 1):
             return
-        bucket = int(round(math.log2(x)))
+        bucket = self.bucket(x)
         a = self.alpha
         current = self._mean[bucket] / self._weight[bucket] if bucket in self._mean else 0.0
         e = min(max(math.log(ratio), current - self.max_log), current + self.max_log)

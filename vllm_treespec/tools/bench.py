@@ -244,6 +244,13 @@ class Conversation:
         return messages + [{"role": "user", "content": self.question["turns"][turn]}]
 
 
+def load_tokenizer(model: str):
+    """The model's tokenizer (prompt lengths are checked with it before any engine or server starts)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_len: int,
                          output_tokens: int = 1) -> None:
     """Refuse, before any engine starts, questions whose first turn does not fit the engine's context with
@@ -716,9 +723,7 @@ def _run(args: argparse.Namespace) -> int:
         from vllm_treespec.tools.models import ensure_smollm2
 
         args.model = str(ensure_smollm2())
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(args.model)
     check_prompt_lengths(tokenizer, questions, args.max_model_len)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

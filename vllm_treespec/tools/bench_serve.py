@@ -33,7 +33,7 @@ from vllm_treespec.cost.trace import TRACE_ENV
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import (ALLOW_TRAINING_PROMPTS_HELP, check_held_out, check_prompt_lengths,
-                                       load_questions)
+                                       load_questions, load_tokenizer)
 from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import off_the_workers_cpus
@@ -266,13 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "the worker's; 'os' leaves placement to the OS (they then take turns with the worker's thread)")
     parser.add_argument("--out", default="bench_out/serve", help="folder for results.json, serve.png, server logs")
     return parser
-
-
-def load_tokenizer(model: str):
-    """The served model's tokenizer (to check the prompts' lengths before any server starts)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
