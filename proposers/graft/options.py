@@ -81,6 +81,10 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: rank and floor nodes by their observed acceptance rate (per source and raw-confidence bin, learned online from
     #: every verification) instead of the sources' raw confidences, which are not comparable across sources
     calibrate_acceptance: bool = True
+    #: learn the suffix and n-gram sources' nodes apart by how many context tokens their retrieval matched (1, 2-3,
+    #: 4-7, 8+): at one raw confidence a long match's continuation is accepted far more often than a short one's.
+    #: False = one rate table per source (ablation)
+    calibrate_by_match_length: bool = True
     #: shrink the per-request budget as the batch grows (under the step budget, ``cost_budget``, the verifier's
     #: allocation does this for every method; graft's own rule then applies only with knee_tokens or a calibration
     #: file's table)

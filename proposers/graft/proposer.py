@@ -15,7 +15,7 @@ from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, Verificat
 from vllm_treespec.cost.allocate import DraftGate
 from vllm_treespec.cost.online import CallCost
 from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, DEFAULT_MODEL_DRAFT_MAX_BATCH, device_kind
-from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
+from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels, match_class, match_class_sources
 from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree
 from vllm_treespec.proposers.graft.budget import budget_curve
 from vllm_treespec.proposers.graft.calibration import load_calibration
@@ -29,6 +29,9 @@ from vllm_treespec.verify.calibration import AcceptanceCalibration
 from vllm_treespec.verify.topk import target_topk
 
 logger = logging.getLogger("vllm.treespec")
+
+#: the retrieval sources whose trees continue a matched context suffix (the successor table's follow one token)
+MATCHED_SOURCES = ("suffix", "ngram")
 
 
 @dataclass
@@ -91,8 +94,11 @@ class GraftProposer(TreeProposer):
             self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
             self.needs_kv_cache = self.drafter.needs_kv_cache
         self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
-        #: the sources node_sources names; the verifier learns their acceptance rates (use_acceptance)
-        self.acceptance_sources = (*opts.sources, MODEL_SOURCE)
+        #: the sources node_sources names; the verifier learns their acceptance rates (use_acceptance). The suffix
+        #: and n-gram sources' nodes are learnt by the length of the context suffix they matched (match_class)
+        self._matched_sources = MATCHED_SOURCES if opts.calibrate_by_match_length else ()
+        self.acceptance_sources = tuple(n for s in opts.sources for n in (
+            match_class_sources(s) if s in self._matched_sources else (s,))) + (MODEL_SOURCE,)
         self.calibration = AcceptanceCalibration(self.acceptance_sources) if opts.calibrate_acceptance else None
         # without a verifier (offline replay) graft learns acceptance itself, from on_verified and its last trees
         self._learns_acceptance = True
@@ -261,11 +267,15 @@ class GraftProposer(TreeProposer):
                   found: dict[str, RetrievedTree], budget: int, floor: float) -> AssembledTree:
         """``draft`` with the other sources' continuations grafted into the budget it left free."""
         grafts = self._grafts(req_id, context, draft, found, [s for s in found if s != draft_source])
+        match_len = found[draft_source].match_len if draft_source in found else 0
         return assemble_tree(draft, grafts, budget, floor, calibration=self.calibration,
-                             draft_source=self._source_id(draft_source))
+                             draft_source=self._source_id(draft_source, match_len))
 
-    def _source_id(self, name: str) -> int:
-        """The source's id in ``acceptance_sources`` (and in the acceptance calibration)."""
+    def _source_id(self, name: str, match_len: int = 0) -> int:
+        """The id in ``acceptance_sources`` (and in the acceptance calibration) of source ``name``'s nodes, those of
+        a retrieval that matched ``match_len`` context tokens."""
+        if name in self._matched_sources:
+            name = match_class_sources(name)[match_class(match_len)]
         return self.acceptance_sources.index(name)
 
     def _most_confident(self, found: dict[str, RetrievedTree]) -> str:
@@ -274,7 +284,7 @@ class GraftProposer(TreeProposer):
         def confidence(name: str) -> float:
             t = found[name]
             if self.calibration is not None and t.num_nodes:
-                t = t._replace(probs=self.calibration(self._source_id(name), t.probs))
+                t = t._replace(probs=self.calibration(self._source_id(name, t.match_len), t.probs))
             return first_checkpoint_confidence(t, self.first_checkpoint)
 
         return sorted(found, key=lambda s: -confidence(s))[0]
@@ -287,11 +297,11 @@ class GraftProposer(TreeProposer):
         if not opts.graft or draft.remaining <= 0:
             return grafts
         if opts.graft_position in ("root", "both"):
-            grafts += [(-1, found[s], self._source_id(s)) for s in names]
+            grafts += [(-1, found[s], self._source_id(s, found[s].match_len)) for s in names]
         deepest = draft.deepest()
         if opts.graft_position in ("deepest", "both") and deepest >= 0:
             path = draft.path_tokens(deepest)
-            grafts += [(deepest, t, self._source_id(s)) for s, t in
+            grafts += [(deepest, t, self._source_id(s, t.match_len)) for s, t in
                        self.sources.after_path(req_id, context, path, draft.remaining, names)]
         return grafts
 

@@ -735,3 +735,24 @@ def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
     # what was measured is the successor chain's trees (0.3 a token), while every proposal is the head's tree
     assert p.retrieval_gate.marginal[0] == pytest.approx(0.3, rel=0.05)
     assert all(p.acceptance_sources[t.node_sources[0]] == MODEL_SOURCE for t in proposed)
+
+
+def test_retrieved_nodes_are_learnt_by_match_length():
+    """A suffix continuation after a 1-token match and one after a 4-token match both score 1.0 raw; graft names
+    them as different acceptance sources, so the verifier learns (and graft ranks by) their own rates."""
+    p = proposer(budget=4, sources=("suffix", "successor"), prune=False, adaptive_budget=False)
+    assert p.acceptance_sources == ("suffix@1", "suffix@2", "suffix@4", "suffix@8", "successor", MODEL_SOURCE)
+    short = p.propose_trees(make_ctx([[5, 6, 7, 8, 9, 5]], req_ids=["s"]))[0]
+    long = p.propose_trees(make_ctx([[1, 2, 3, 4, 9, 1, 2, 3, 4]], req_ids=["l"]))[0]
+    assert short.token_ids.tolist()[:2] == [6, 7] and long.token_ids.tolist()[:2] == [9, 1]
+    assert {p.acceptance_sources[s] for s in short.node_sources} == {"suffix@1"}
+    assert {p.acceptance_sources[s] for s in long.node_sources} == {"suffix@4"}
+    # after the short match's nodes were rejected, graft trusts them less than the long match's
+    for _ in range(4):
+        tree = p.propose_trees(make_ctx([[5, 6, 7, 8, 9, 5]], req_ids=["s"]))[0]
+        p.on_verified([VerificationResult("s", tree, accepted_nodes=[], bonus_token=0)])
+    ids = [p.acceptance_sources.index(n) for n in ("suffix@1", "suffix@4")]
+    rates = [float(p.calibration(i, np.array([1.0]), np.array([1]))[0]) for i in ids]
+    assert rates[0] < 0.5 < rates[1]
+    pooled = proposer(sources=("suffix", "successor"), calibrate_by_match_length=False)
+    assert pooled.acceptance_sources == ("suffix", "successor", MODEL_SOURCE)
