@@ -5,7 +5,7 @@ them back (``--outputs``), then replays graft's suffix and n-gram sources over e
 source retrieves for the context so far (graft's default options: suffix automata over the request and the finished
 outputs, n-grams 2..4, depth 16, 32 nodes), walked along the output that followed. A node counts where the target
 reached it (a root child, or a child of an accepted node). Printed per source and match-length class
-(:data:`vllm_treespec.proposers._retrieval_base.MATCH_CLASSES`): the acceptance of nodes by depth (1, 2, deeper)
+(:data:`vllm_treespec.proposers.graft.sources.MATCH_CLASSES`): the acceptance of nodes by depth (1, 2, deeper)
 and raw confidence (>= 0.9 or below), and the mean accepted path per position. This is the evidence for calibrating
 those sources by match length (``calibrate_by_match_length``).
 
@@ -21,7 +21,7 @@ import json
 
 import numpy as np
 
-from vllm_treespec.proposers._retrieval_base import MATCH_CLASSES, match_class
+from vllm_treespec.proposers.graft.sources import MATCH_CLASSES, match_class
 from vllm_treespec.retrieval import NgramRetriever, SuffixRetriever
 
 BUDGET = 32

@@ -21,8 +21,8 @@ tree rows only). Per request and step:
    the request's prompt + output, finished outputs and an optional corpus datastore; an n-gram index.
 4. **Calibrate.** Path confidences multiply each source's step probabilities passed through the verifier's
    :class:`~vllm_treespec.verify.calibration.AcceptanceCalibration`: the rate at which the target accepted that
-   source's nodes of that raw confidence, learned online from every verified draft (``calibrate_acceptance``; the
-   suffix and n-gram sources by the length of the context suffix they matched too, ``calibrate_by_match_length``;
+   source's nodes of that raw confidence, learned online from every verified draft (``calibrate_acceptance``; with
+   ``calibrate_by_match_length`` the suffix and n-gram sources by the length of the context suffix they matched too;
    graft names its sources in ``acceptance_sources`` and marks each node's in ``node_sources``, and returns the raw
    numbers, which the verifier calibrates for the step budget). Nodes below ``min_node_confidence`` are left out. Without a
    head, the draft source is chosen on calibrated confidences too; the pruning checkpoints compare the raw numbers,

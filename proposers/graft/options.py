@@ -82,9 +82,10 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: every verification) instead of the sources' raw confidences, which are not comparable across sources
     calibrate_acceptance: bool = True
     #: learn the suffix and n-gram sources' nodes apart by how many context tokens their retrieval matched (1, 2-3,
-    #: 4-7, 8+): at one raw confidence a long match's continuation is accepted far more often than a short one's.
-    #: False = one rate table per source (ablation)
-    calibrate_by_match_length: bool = True
+    #: 4-7, 8+): at one raw confidence a long match's continuation is accepted far more often than a short one's
+    #: (``scripts/replay_matches.py``), but with four rate tables to learn per source instead of one it gained no
+    #: tok/s at batch 1 (docs/benchmarks.md), so it is off unless asked
+    calibrate_by_match_length: bool = False
     #: shrink the per-request budget as the batch grows (under the step budget, ``cost_budget``, the verifier's
     #: allocation does this for every method; graft's own rule then applies only with knee_tokens or a calibration
     #: file's table)

@@ -15,7 +15,7 @@ from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, Verificat
 from vllm_treespec.cost.allocate import DraftGate
 from vllm_treespec.cost.online import CallCost
 from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, DEFAULT_MODEL_DRAFT_MAX_BATCH, device_kind
-from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels, match_class, match_class_sources
+from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
 from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree
 from vllm_treespec.proposers.graft.budget import budget_curve
 from vllm_treespec.proposers.graft.calibration import load_calibration
@@ -23,15 +23,13 @@ from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter, ch
 from vllm_treespec.proposers.graft.growth import (DraftGrowth, draft_tree_levels, first_checkpoint_confidence,
                                                   grow_draft, tree_levels)
 from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, NAMED_HEADS, GraftOptions
-from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, RetrievalSources
+from vllm_treespec.proposers.graft.sources import (FALLBACK_VOCAB_SIZE, MATCHED_SOURCES, RetrievalSources,
+                                                   match_class, match_class_sources)
 from vllm_treespec.retrieval import RetrievedTree, load_datastore
 from vllm_treespec.verify.calibration import AcceptanceCalibration
 from vllm_treespec.verify.topk import target_topk
 
 logger = logging.getLogger("vllm.treespec")
-
-#: the retrieval sources whose trees continue a matched context suffix (the successor table's follow one token)
-MATCHED_SOURCES = ("suffix", "ngram")
 
 
 @dataclass

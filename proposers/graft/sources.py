@@ -4,6 +4,7 @@ finished outputs, an optional corpus datastore) and an n-gram index."""
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Iterable
 
 import numpy as np
@@ -15,6 +16,24 @@ from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTabl
 FALLBACK_VOCAB_SIZE = 1 << 17
 #: confidence scale of successors seeded from committed bigrams (they are counts, not target distributions)
 SEED_CONFIDENCE = 0.5
+#: the sources whose trees continue a matched context suffix (the successor table's follow one token)
+MATCHED_SOURCES = ("suffix", "ngram")
+#: lower bounds of the match-length classes ``calibrate_by_match_length`` learns apart (a retrieved tree's
+#: ``match_len``: how many context tokens the retrieval matched). At one raw confidence the continuation of a short
+#: match is accepted far less often than a long one's: replaying the suffix source against greedy outputs of 42
+#: ShareGPT and HumanEval tuning prompts (``scripts/replay_matches.py``), root children scoring >= 0.9 were accepted
+#: 32% / 45% / 65% / 84% of the time after matches of 1 / 2-3 / 4-7 / 8+ tokens (one pooled bin priced them alike)
+MATCH_CLASSES = (1, 2, 4, 8)
+
+
+def match_class_sources(source: str) -> tuple[str, ...]:
+    """``source``'s acceptance-source names, one per match-length class: ``source@1``, ``source@2``, ..."""
+    return tuple(f"{source}@{m}" for m in MATCH_CLASSES)
+
+
+def match_class(match_len: int) -> int:
+    """The class of a retrieval that matched ``match_len`` context tokens (an index into :data:`MATCH_CLASSES`)."""
+    return max(bisect.bisect_right(MATCH_CLASSES, int(match_len)) - 1, 0)
 
 
 class RetrievalSources:

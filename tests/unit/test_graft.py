@@ -20,6 +20,7 @@ from vllm_treespec.proposers.graft.budget import BudgetCurve
 from vllm_treespec.proposers.graft.calibration import load_calibration
 from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter
 from vllm_treespec.proposers.graft.growth import DraftGrowth, DraftLevel
+from vllm_treespec.proposers.graft.sources import MATCH_CLASSES, match_class, match_class_sources
 from vllm_treespec.pruning import below_checkpoint
 from vllm_treespec.tools.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
                                                      calibrate_from, replay)
@@ -737,10 +738,14 @@ def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
     assert all(p.acceptance_sources[t.node_sources[0]] == MODEL_SOURCE for t in proposed)
 
 
-def test_retrieved_nodes_are_learnt_by_match_length():
-    """A suffix continuation after a 1-token match and one after a 4-token match both score 1.0 raw; graft names
-    them as different acceptance sources, so the verifier learns (and graft ranks by) their own rates."""
-    p = proposer(budget=4, sources=("suffix", "successor"), prune=False, adaptive_budget=False)
+def test_retrieved_nodes_can_be_learnt_by_match_length():
+    """A suffix continuation after a 1-token match and one after a 4-token match both score 1.0 raw; with
+    calibrate_by_match_length graft names them as different acceptance sources, so the verifier learns (and graft
+    ranks by) their own rates."""
+    assert [match_class(m) for m in (0, 1, 2, 3, 4, 7, 8, 100)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert match_class_sources("suffix") == tuple(f"suffix@{m}" for m in MATCH_CLASSES)
+    p = proposer(budget=4, sources=("suffix", "successor"), prune=False, adaptive_budget=False,
+                 calibrate_by_match_length=True)
     assert p.acceptance_sources == ("suffix@1", "suffix@2", "suffix@4", "suffix@8", "successor", MODEL_SOURCE)
     short = p.propose_trees(make_ctx([[5, 6, 7, 8, 9, 5]], req_ids=["s"]))[0]
     long = p.propose_trees(make_ctx([[1, 2, 3, 4, 9, 1, 2, 3, 4]], req_ids=["l"]))[0]
@@ -754,5 +759,5 @@ def test_retrieved_nodes_are_learnt_by_match_length():
     ids = [p.acceptance_sources.index(n) for n in ("suffix@1", "suffix@4")]
     rates = [float(p.calibration(i, np.array([1.0]), np.array([1]))[0]) for i in ids]
     assert rates[0] < 0.5 < rates[1]
-    pooled = proposer(sources=("suffix", "successor"), calibrate_by_match_length=False)
+    pooled = proposer(sources=("suffix", "successor"))  # the default: one rate table per source
     assert pooled.acceptance_sources == ("suffix", "successor", MODEL_SOURCE)

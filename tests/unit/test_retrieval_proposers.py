@@ -92,22 +92,3 @@ def test_unknown_option_is_refused():
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({"budget_nodes": 3}, SuffixTreeOptions)
 
-
-def test_match_classes():
-    from vllm_treespec.proposers._retrieval_base import MATCH_CLASSES, match_class, match_class_sources
-
-    assert [match_class(m) for m in (0, 1, 2, 3, 4, 7, 8, 100)] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert match_class_sources("suffix") == tuple(f"suffix@{m}" for m in MATCH_CLASSES)
-
-
-@pytest.mark.parametrize("cls, opts", [(SuffixTreeProposer, SuffixTreeOptions(min_token_prob=0.0)),
-                                       (NgramTreeProposer, NgramTreeOptions(min_n=1))])
-def test_nodes_are_marked_with_their_match_length_class(cls, opts):
-    """The verifier learns a short match's continuations apart from a long one's (same raw confidence 1.0)."""
-    proposer = cls(None, opts)
-    names = proposer.acceptance_sources
-    short = proposer.propose_trees(make_ctx(["a"], [[5, 6, 7, 8, 9, 5]], [[5]], max_nodes=2))[0]
-    long = proposer.propose_trees(make_ctx(["b"], [[1, 2, 3, 4, 9, 1, 2, 3, 4]], [[4]], max_nodes=2))[0]
-    assert short.node_probs.tolist() == long.node_probs.tolist() == [1.0, 1.0]
-    assert [names[s] for s in short.node_sources] == ["match@1"] * 2
-    assert [names[s] for s in long.node_sources] == ["match@4"] * 2
