@@ -91,4 +91,3 @@ def test_options_are_validated_naming_the_field(options_type, raw, field):
 def test_unknown_option_is_refused():
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({"budget_nodes": 3}, SuffixTreeOptions)
-
