@@ -208,3 +208,23 @@ def test_the_verifier_calibrates_for_the_budget_and_hands_proposers_the_calibrat
     verifier.propose([[11, 4]])  # 11 accepted, then the target's 4
     assert verifier.acceptance.calibration.trials.sum() == trials + 2
     assert verifier.acceptance.calibration.accepts[1].sum() == 1
+
+
+def test_classes_of_a_split_source_start_from_their_family():
+    """suffix@1 and suffix@8 (graft's match lengths) are learnt apart; a class with no record yet takes the family's
+    rate, where a plain source with no record takes its raw number (capped: 1/2)."""
+    cal = AcceptanceCalibration(["suffix@1", "suffix@2", "suffix@8", "successor"])
+    raw, depth = np.array([1.0]), np.array([1])
+    n = 40
+    cal.observe(np.zeros(n, np.int64), np.ones(n), np.arange(n) < 10, np.ones(n, np.int64))  # suffix@1: 25%
+    cal.observe(np.full(n, 2), np.ones(n), np.arange(n) < 36, np.ones(n, np.int64))  # suffix@8: 90%
+    short, fresh, long = (float(cal(i, raw, depth)[0]) for i in range(3))
+    assert short < 0.35 and long > 0.8
+    assert fresh == pytest.approx((46 + 8) / (80 + 8))  # the family: 46 of 80 and the raw 1.0 as 8 trials
+    assert float(cal.capped(1, raw, depth)[0]) == pytest.approx((46 + 1) / (80 + 2))  # the family's record
+    assert float(cal(3, raw, depth)[0]) == 1.0 and float(cal.capped(3, raw, depth)[0]) == 0.5  # unsplit: as before
+    # depth classes stay apart within the family: no record at depth 2 yet
+    assert float(cal(1, raw, np.array([2]))[0]) == 1.0
+    # pooled over depths (depth None) and per node sources
+    both = cal(np.array([0, 2]), np.array([1.0, 1.0]))
+    assert both[0] < 0.35 < 0.8 < both[1]

@@ -39,6 +39,8 @@ ACCEPTANCE_PRIOR_TRIALS = 8.0
 DEPTH_CLASSES = 3
 #: the source of every node of a proposer that names none
 DEFAULT_SOURCE = "proposer"
+#: ``FAMILY@CLASS`` names one class of a source split by a class (graft's match lengths, ``suffix@4``)
+FAMILY_SEPARATOR = "@"
 #: per committed step, the weight the expected/accepted sums of :class:`ExpectationCorrection` keep (~50 steps)
 EXPECTATION_DECAY = 0.98
 #: pseudo-tokens on both sides of the correction: no correction before ~20 expected tokens were verified
@@ -57,13 +59,23 @@ class AcceptanceCalibration:
     source's probability of the token given the parent's path), counted over the nodes whose parent was accepted.
     A bin's rate is ``(accepts + m * prior) / (trials + m)``, ``m`` = :data:`ACCEPTANCE_PRIOR_TRIALS`, its prior the
     source's rate at that depth over every bin, itself ``(accepts + m * raw) / (trials + m)``: the raw number before
-    the source has data, the source's own rate before the bin has. ``trials``/``accepts`` hold the counts pooled
-    over depths (sources x bins); ``depth_trials``/``depth_accepts`` by depth class (sources x classes x bins)."""
+    the source has data, the source's own rate before the bin has. A source named ``FAMILY@CLASS`` (one class of a
+    source split by something its raw number misses, graft's match lengths) has its family's rate — the same
+    estimate over every class of the family — in place of the raw number, and the family's record in place of
+    the 1/2 of :meth:`capped`'s ceiling: a class starts from what its family learnt. ``trials``/``accepts`` hold the
+    counts pooled over depths (sources x bins); ``depth_trials``/``depth_accepts`` by depth class (sources x classes
+    x bins)."""
 
     def __init__(self, sources: Sequence[str]) -> None:
         self.names = list(sources)
         self.depth_trials = np.zeros((len(self.names), DEPTH_CLASSES, ACCEPTANCE_BINS))
         self.depth_accepts = np.zeros((len(self.names), DEPTH_CLASSES, ACCEPTANCE_BINS))
+        # sources named FAMILY@CLASS split one source by a class (graft's match lengths): their prior is the family's
+        # rate, so that a class starts from what its family has learnt, not from its raw number
+        families = [name.split(FAMILY_SEPARATOR)[0] for name in self.names]
+        self._family = np.array([[a == b for b in families] for a in families], np.float64).reshape(
+            len(families), len(families))
+        self._split = np.array([FAMILY_SEPARATOR in name for name in self.names], bool)
 
     @property
     def trials(self) -> np.ndarray:
@@ -109,11 +121,32 @@ class AcceptanceCalibration:
         m = ACCEPTANCE_PRIOR_TRIALS
         source_trials, source_accepts = trials.sum(-1), accepts.sum(-1)
         prior = (source_accepts + m * raw) / (source_trials + m)
+        ceiling = (source_accepts + 1.0) / (source_trials + 2.0)
+        split = self._split[source]
+        if np.any(split):  # a class's prior: its family's estimate, in place of the raw number and of 1/2
+            family_trials, family_accepts = self._family_totals(source, depth, raw.shape)
+            family = (family_accepts + m * raw) / (family_trials + m)
+            family_ceiling = (family_accepts + 1.0) / (family_trials + 2.0)
+            prior = np.where(split, (source_accepts + m * family) / (source_trials + m), prior)
+            ceiling = np.where(split, (source_accepts + m * family_ceiling) / (source_trials + m), ceiling)
         if capped:
-            prior = np.minimum(prior, (source_accepts + 1.0) / (source_trials + 2.0))
+            prior = np.minimum(prior, ceiling)
         t_bin = np.take_along_axis(trials, b[..., None], -1)[..., 0]
         a_bin = np.take_along_axis(accepts, b[..., None], -1)[..., 0]
         return np.minimum((a_bin + m * prior) / (t_bin + m), 1.0)
+
+    def _family_totals(self, source: int | np.ndarray, depth: np.ndarray | None, shape: tuple
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Trials and accepts of each node's source family (at its depth class, or over all depths)."""
+        trials, accepts = self.depth_trials.sum(-1), self.depth_accepts.sum(-1)  # sources x depth classes
+        if depth is None:
+            trials, accepts = trials.sum(-1, keepdims=True), accepts.sum(-1, keepdims=True)
+            d = np.zeros(shape, np.int64)
+        else:
+            d = np.broadcast_to(depth_class(depth), shape)
+        family_trials, family_accepts = self._family @ trials, self._family @ accepts
+        source = np.broadcast_to(source, shape)
+        return family_trials[source, d], family_accepts[source, d]
 
     def observe(self, sources: np.ndarray, raw: np.ndarray, accepted: np.ndarray,
                 depth: np.ndarray | None = None) -> None:
