@@ -99,10 +99,10 @@ def report(nodes, paths) -> str:
         for cls, low in enumerate(MATCH_CLASSES):
             if (name, cls) not in paths:
                 continue
-            high = MATCH_CLASSES[cls + 1] - 1 if cls + 1 < len(MATCH_CLASSES) else None
-            label = f"{low}" if high == low else f"{low}-{high}" if high else f"{low}+"
+            top = MATCH_CLASSES[cls + 1] - 1 if cls + 1 < len(MATCH_CLASSES) else None
+            label = f"{low}" if top == low else f"{low}-{top}" if top else f"{low}+"
             found = paths[(name, cls)]
-            cells = " | ".join(f"{rate(nodes.get((name, cls, d, True), [0, 0]))} {rate(nodes.get((name, cls, d, False), [0, 0]))}"
+            cells = " | ".join(" ".join(rate(nodes.get((name, cls, d, high_raw), [0, 0])) for high_raw in (True, False))
                                for d in (1, 2, 3))
             lines.append(f"{name:7} {label:>5}  {len(found):>9} {np.mean(found):5.2f} | {cells}")
     return "\n".join(lines)

@@ -24,9 +24,9 @@ tree rows only). Per request and step:
    source's nodes of that raw confidence, learned online from every verified draft (``calibrate_acceptance``; with
    ``calibrate_by_match_length`` the suffix and n-gram sources by the length of the context suffix they matched too;
    graft names its sources in ``acceptance_sources`` and marks each node's in ``node_sources``, and returns the raw
-   numbers, which the verifier calibrates for the step budget). Nodes below ``min_node_confidence`` are left out. Without a
-   head, the draft source is chosen on calibrated confidences too; the pruning checkpoints compare the raw numbers,
-   which their thresholds were chosen on.
+   numbers, which the verifier calibrates for the step budget). Nodes below ``min_node_confidence`` are left out.
+   Without a head, the draft source is chosen on calibrated confidences too; the pruning checkpoints compare the raw
+   numbers, which their thresholds were chosen on.
 
 Budgets and the head. Under the engine's step budget (``cost_budget``, on by default: :mod:`vllm_treespec.cost`)
 graft drafts ``budget`` nodes per request (default ``num_speculative_tokens``) with no confidence floor, the verifier

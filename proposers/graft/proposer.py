@@ -92,8 +92,8 @@ class GraftProposer(TreeProposer):
             self.aux_hidden_state_layers = tuple(self.drafter.aux_hidden_state_layers)
             self.needs_kv_cache = self.drafter.needs_kv_cache
         self._roots: dict[str, int] = {}  # root token of each request's last tree (row 0 of its target logits)
-        #: the sources node_sources names; the verifier learns their acceptance rates (use_acceptance). The suffix
-        #: and n-gram sources' nodes are learnt by the length of the context suffix they matched (match_class)
+        #: the sources node_sources names; the verifier learns their acceptance rates (use_acceptance). With
+        #: calibrate_by_match_length the suffix and n-gram sources name one per match-length class (match_class)
         self._matched_sources = MATCHED_SOURCES if opts.calibrate_by_match_length else ()
         self.acceptance_sources = tuple(n for s in opts.sources for n in (
             match_class_sources(s) if s in self._matched_sources else (s,))) + (MODEL_SOURCE,)
