@@ -3,17 +3,15 @@ the script writes today, and every option must have a meaning (a ``#:`` comment 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from script_helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_methods_doc", ROOT / "scripts" / "gen_methods_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_methods_doc")
 
 
 def test_methods_page_matches_the_option_structs():

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
+from script_helpers import load_script
 
 from vllm_treespec.retrieval import RetrievedTree
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("replay_matches", ROOT / "scripts" / "replay_matches.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("replay_matches")
 
 
 def test_walk_counts_only_reached_nodes():
