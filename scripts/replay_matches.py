@@ -21,8 +21,8 @@ import json
 
 import numpy as np
 
-from vllm_treespec.proposers.graft.sources import MATCH_CLASSES, match_class
-from vllm_treespec.retrieval import NgramRetriever, SuffixRetriever
+from vllm_treespec.proposers.graft.options import GraftOptions
+from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, MATCH_CLASSES, RetrievalSources, match_class
 
 BUDGET = 32
 #: prompts longer than this are left out (they would not fit the engine's context with the output)
@@ -64,8 +64,7 @@ def walk(tree, future: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def replay(records: list[dict]):
     """Per (source, class, depth class, raw >= 0.9): [accepted, reached]; per (source, class): accepted paths."""
-    suffix = SuffixRetriever(max_depth=16, global_max_tokens=1 << 20)
-    ngram = NgramRetriever(min_n=2, max_n=4, max_depth=16)
+    sources = RetrievalSources(GraftOptions(sources=("suffix", "ngram")), FALLBACK_VOCAB_SIZE)  # as graft builds them
     nodes: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
     paths: dict[tuple, list[int]] = collections.defaultdict(list)
     for key, record in enumerate(records):
@@ -73,8 +72,7 @@ def replay(records: list[dict]):
         tokens = np.asarray(prompt + output, np.int32)
         for i in range(len(output) - 1):
             context = tokens[: len(prompt) + i]
-            for name, tree in (("suffix", suffix.retrieve(key, context, BUDGET, prompt_len=len(prompt))),
-                               ("ngram", ngram.retrieve(key, context, BUDGET))):
+            for name, tree in sources.at_root(key, context, BUDGET, len(prompt)).items():
                 if tree.num_nodes == 0:
                     continue
                 accepted, reached, depths = walk(tree, output[i:])
@@ -84,8 +82,7 @@ def replay(records: list[dict]):
                     cell = nodes[(name, cls, min(int(depths[j]), 3), bool(tree.probs[j] >= 0.9))]
                     cell[0] += int(accepted[j])
                     cell[1] += 1
-        suffix.release({key})
-        ngram.release({key})
+        sources.release({key})
     return nodes, paths
 
 
