@@ -11,6 +11,7 @@ import numpy as np
 
 from vllm_treespec.proposers.graft.options import GraftOptions
 from vllm_treespec.retrieval import NgramRetriever, RetrievedTree, SuccessorTable, SuffixRetriever
+from vllm_treespec.verify.calibration import FAMILY_SEPARATOR
 
 #: successor-table vocabulary when the model's is unknown (no vllm_config); tokens beyond it are not learned
 FALLBACK_VOCAB_SIZE = 1 << 17
@@ -27,8 +28,9 @@ MATCH_CLASSES = (1, 2, 4, 8)
 
 
 def match_class_sources(source: str) -> tuple[str, ...]:
-    """``source``'s acceptance-source names, one per match-length class: ``source@1``, ``source@2``, ..."""
-    return tuple(f"{source}@{m}" for m in MATCH_CLASSES)
+    """``source``'s acceptance-source names, one per match-length class: ``source@1``, ``source@2``, ... (the
+    calibration's ``FAMILY@CLASS`` names: a class starts from its family's rate)"""
+    return tuple(f"{source}{FAMILY_SEPARATOR}{m}" for m in MATCH_CLASSES)
 
 
 def match_class(match_len: int) -> int:
