@@ -111,7 +111,9 @@ def test_step_driver_gives_each_request_distinct_blocks_and_restores_the_table()
 
 def test_the_sweep_times_a_few_points_again_at_a_longer_context():
     runner = FakeRunner()
-    record, _ = sweep(runner, points=[(1, 1), (2, 1), (8, 1)], repeats=2, context_len=64, budget_s=5.0)
+    # the fake steps take microseconds: a stop ratio on their noise (or a busy moment) would drop points at random
+    record, _ = sweep(runner, points=[(1, 1), (2, 1), (8, 1)], repeats=2, context_len=64, budget_s=1e6,
+                      stop_ratio=1e9)
     assert record.context_len == 64
     longer = [s for s in record.samples if s.context_len]
     assert {(s.num_tokens, s.num_reqs, s.context_len) for s in longer} == {(1, 1, 512), (8, 1, 512), (16, 1, 512)}
