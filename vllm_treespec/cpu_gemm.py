@@ -8,10 +8,14 @@ streams each weight once per call and multiplies it by every row while it is in 
 
 * the weight is packed at load into tiles of 8 output columns, each tile ``[in_features, 8]`` contiguous (one AVX2
   register of fp32 per input element), so a call reads it as a few sequential streams;
-* a block of up to 4 rows x 3 tiles keeps its 12 x 8 sums in registers; for each input element ``k`` it loads the
-  3 tiles' weights once and multiplies them by each row's ``x[k]`` (broadcast), so up to 4 rows cost one pass over
-  the weight, and more rows reuse each block's weights from L1 (the hot loop is LLVM IR emitted through a numba
-  intrinsic: numba's own loops would keep the sums in memory);
+* a block of up to 6 rows x 2 tiles keeps its 12 x 8 sums in registers; for each input element ``k`` it loads the
+  2 tiles' weights once and multiplies them by each row's ``x[k]`` (broadcast), so up to 6 rows cost one pass over
+  the weight, and more rows reuse each block's weights from L1/L2 (the hot loop is LLVM IR emitted through a numba
+  intrinsic: numba's own loops would keep the sums in memory; 12 sums, 2 weight vectors, a broadcast and the bf16
+  widening fit AVX2's 16 registers, where 4 x 3 spilled);
+* while a block computes, it prefetches the next tiles into the caches, a line per tile every few ``k``: the next
+  block then finds its weights in L2, so the memory stream and the multiply-adds overlap (a step of 5-16 rows was
+  one memory-bound pass plus compute-bound ones);
 * every output is one fp32 sum over ``k`` in order from 0, a multiply-add per term (fused where the CPU has FMA),
   whatever block computes it: a row's result does not depend on how many rows share the call (batch invariant,
   unlike oneDNN's blocking);
@@ -43,13 +47,16 @@ from numba.extending import intrinsic
 DTYPES = (torch.float32, torch.bfloat16)
 #: output columns per tile: one 256-bit register of fp32 (AVX2; an AVX-512 CPU runs the same code on half registers)
 TILE = 8
-#: rows x tiles of one register block: 12 sums, 3 weight vectors and a broadcast fit AVX2's 16 registers
-BLOCK_ROWS = 4
-BLOCK_TILES = 3
+#: rows x tiles of one register block: 12 sums, 2 weight vectors, a broadcast and a widened bf16 fit AVX2's 16
+#: registers (``scripts/bench_cpu_linear.py``: 4 x 3 took 1.2-1.5x as long at 4-16 rows)
+BLOCK_ROWS = 6
+BLOCK_TILES = 2
+#: bytes the prefetches step by: one cache line
+CACHE_LINE = 64
 #: a multiply-add is one fused operation where the CPU has FMA (the same in every block, so batch invariant)
 FUSED = bool(llvm.get_host_cpu_features().get("fma", False))
 #: part of the saved-choice key (vllm_treespec.patches.cpu_gemm): a new kernel is timed again, not trusted
-KERNEL_VERSION = "tiles8-r4c3"
+KERNEL_VERSION = "tiles8-r6c2-prefetch"
 
 _F32 = ir.FloatType()
 _VF = ir.VectorType(_F32, TILE)
@@ -76,21 +83,35 @@ def _multiply_add(builder, a, b, c):
     return builder.fadd(c, builder.fmul(a, b))
 
 
-def _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, rows: int, tiles: int, bf16: bool) -> None:
+def _prefetch(builder, ptr) -> None:
+    """Fetch the line at ``ptr`` into every cache level (a hint: it never faults and changes no value)."""
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+
+
+def _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, ahead, rows: int, tiles: int, bf16: bool) -> None:
     """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows``, c < ``tiles``, the sums in
-    registers (``rows`` and ``tiles`` are compile-time)."""
+    registers (``rows`` and ``tiles`` are compile-time), prefetching tiles ``ahead`` .. ``ahead + tiles - 1``."""
     i64 = r0.type
     in_features = builder.extract_value(x_arr.shape, 1)
     width = builder.extract_value(o_arr.shape, 1)
     x_rows = [builder.gep(x_arr.data, [builder.mul(builder.add(r0, i64(r)), in_features)]) for r in range(rows)]
     tile_len = builder.mul(in_features, i64(TILE))
     w_tiles = [builder.gep(w_arr.data, [builder.mul(builder.add(t0, i64(c)), tile_len)]) for c in range(tiles)]
+    next_tiles = [builder.gep(w_arr.data, [builder.mul(builder.add(ahead, i64(c)), tile_len)]) for c in range(tiles)]
+    k_per_line = CACHE_LINE // (TILE * (2 if bf16 else 4))
     sums = [[cgutils.alloca_once(builder, _VF) for _ in range(tiles)] for _ in range(rows)]
     for r in range(rows):
         for c in range(tiles):
             builder.store(ir.Constant(_VF, [0.0] * TILE), sums[r][c])
     with cgutils.for_range(builder, in_features) as loop:
         k = loop.index
+        with builder.if_then(builder.icmp_unsigned("==", builder.urem(k, i64(k_per_line)), i64(0))):
+            for c in range(tiles):
+                _prefetch(builder, builder.gep(next_tiles[c], [builder.mul(k, i64(TILE))]))
         ws = [_load_weights(builder, builder.gep(w_tiles[c], [builder.mul(k, i64(TILE))]), bf16)
               for c in range(tiles)]
         for r in range(rows):
@@ -105,20 +126,20 @@ def _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, rows: int, tiles: int, bf1
 
 
 @intrinsic
-def _register_block(typingctx, x, packed, out, r0, t0, rows, tiles):
-    """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows`` (1..4), c < ``tiles`` (1..3):
-    one block shape per case of a switch (the sums must be registers, so each shape is its own code); the smaller
-    shapes take the last rows and tiles of a call."""
+def _register_block(typingctx, x, packed, out, r0, t0, ahead, rows, tiles):
+    """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows`` (1..6), c < ``tiles`` (1..2),
+    prefetching as many tiles from ``ahead`` on: one block shape per case of a switch (the sums must be registers, so
+    each shape is its own code); the smaller shapes take the last rows and tiles of a call."""
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in (x, packed, out)):
         return None
     if x.dtype != types.float32 or out.dtype != types.float32 or packed.dtype not in (types.float32, types.uint16):
         return None  # the IR reads fp32 rows and writes fp32 sums
     bf16 = packed.dtype == types.uint16
-    sig = types.void(x, packed, out, types.int64, types.int64, types.int64, types.int64)
+    sig = types.void(x, packed, out, types.int64, types.int64, types.int64, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         x_arr, w_arr, o_arr = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(3))
-        r0, t0, rows, tiles = args[3:]
+        r0, t0, ahead, rows, tiles = args[3:]
         i64 = r0.type
         done = builder.append_basic_block("block_done")
         shape = builder.add(builder.mul(rows, i64(BLOCK_TILES + 1)), tiles)
@@ -128,7 +149,7 @@ def _register_block(typingctx, x, packed, out, r0, t0, rows, tiles):
                 case = builder.append_basic_block(f"block_{num_rows}x{num_tiles}")
                 switch.add_case(i64(num_rows * (BLOCK_TILES + 1) + num_tiles), case)
                 builder.position_at_end(case)
-                _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, num_rows, num_tiles, bf16)
+                _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, ahead, num_rows, num_tiles, bf16)
                 builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
@@ -139,16 +160,18 @@ def _register_block(typingctx, x, packed, out, r0, t0, rows, tiles):
 @njit(cache=True, nogil=True)
 def linear_packed(x, packed, out):
     """out = x @ W.T for fp32 ``x`` (M x K) and W packed by :func:`pack_weight` (``[T, K, 8]``, fp32 or bf16 bits),
-    into fp32 ``out`` (M x 8T): for each block of 3 tiles, every block of 4 rows (the tiles stay in L1)."""
+    into fp32 ``out`` (M x 8T): for each block of 2 tiles, every block of 6 rows (the tiles stay in L1/L2), each
+    block prefetching the next block of tiles (the last, its own)."""
     num_rows = x.shape[0]
     num_tiles = packed.shape[0]
     t = 0
     while t < num_tiles:
         tiles = min(BLOCK_TILES, num_tiles - t)
+        ahead = t + tiles if t + 2 * tiles <= num_tiles else t
         r = 0
         while r < num_rows:
             rows = min(BLOCK_ROWS, num_rows - r)
-            _register_block(x, packed, out, r, t, rows, tiles)
+            _register_block(x, packed, out, r, t, ahead, rows, tiles)
             r += rows
         t += tiles
 

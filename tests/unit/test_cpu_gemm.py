@@ -8,8 +8,8 @@ import torch
 
 from vllm_treespec.cpu_gemm import KERNEL_VERSION, NumbaLinear, holds_only_bf16_values, ours_is_faster, time_against
 
-# (out_features, in_features): a weight of one partial 8-column tile, one of several 3-tile blocks whose last block
-# has 2 tiles and whose last tile is partial, and a wide input dimension
+# (out_features, in_features): a weight of one partial 8-column tile, one of several 2-tile blocks whose last block
+# has 1 tile and whose last tile is partial, and a wide input dimension
 SHAPES = [(7, 33), (131, 577), (45, 1536)]
 
 
@@ -45,11 +45,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(SHAPES[1], generator=generator) * 0.05).to(dtype)
     linear = NumbaLinear(weight)
-    x = torch.randn(9, weight.shape[1], generator=generator).to(dtype)
+    x = torch.randn(13, weight.shape[1], generator=generator).to(dtype)  # row blocks of 6, 6 and 1
     batch = linear(x)
-    alone = torch.cat([linear(x[i:i + 1]) for i in range(9)])
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(13)])
     assert torch.equal(batch, alone)
     assert torch.equal(linear(x[3:8]), batch[3:8])
+    assert torch.equal(linear(x[2:11]), batch[2:11])
 
 
 def test_an_fp32_weight_of_bf16_values_is_kept_as_bf16_and_multiplies_the_same():
