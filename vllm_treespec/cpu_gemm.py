@@ -12,7 +12,7 @@ streams each weight once per call and multiplies it by every row while it is in 
   2 tiles' weights once and multiplies them by each row's ``x[k]`` (broadcast), so up to 6 rows cost one pass over
   the weight, and more rows reuse each block's weights from L1/L2 (the hot loop is LLVM IR emitted through a numba
   intrinsic: numba's own loops would keep the sums in memory; 12 sums, 2 weight vectors, a broadcast and the bf16
-  widening fit AVX2's 16 registers, where 4 x 3 spilled);
+  widening fit AVX2's 16 registers, where a 4 x 3 block's 12 sums, 3 weight vectors and broadcast left none);
 * while a block computes, it prefetches the next tiles into the caches, a line per tile every few ``k``: the next
   block then finds its weights in L2, so the memory stream and the multiply-adds overlap (a step of 5-16 rows was
   one memory-bound pass plus compute-bound ones);
