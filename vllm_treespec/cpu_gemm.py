@@ -48,7 +48,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 #: output columns per tile: one 256-bit register of fp32 (AVX2; an AVX-512 CPU runs the same code on half registers)
 TILE = 8
 #: rows x tiles of one register block: 12 sums, 2 weight vectors, a broadcast and a widened bf16 fit AVX2's 16
-#: registers (``scripts/bench_cpu_linear.py``: 4 x 3 took 1.2-1.5x as long at 4-16 rows)
+#: registers (the 4 x 3 block it replaced, without the prefetch, took 1.1-1.7x as long at 4-16 rows: docs/benchmarks.md)
 BLOCK_ROWS = 6
 BLOCK_TILES = 2
 #: bytes the prefetches step by: one cache line
