@@ -199,11 +199,15 @@ def _pv_segment(typingctx, weights, flat, acc, v_off, p0, n, profile):
                     ptr = builder.gep(a_rows[m], [builder.add(c, i64(16 * u))])
                     builder.store(builder.load(slots[m][u]), builder.bitcast(ptr, VF.as_pointer()), align=4)
 
-        pairs = builder.udiv(d, i64(32))
-        with cgutils.for_range(builder, pairs) as loop:
-            emit_pass(builder.mul(loop.index, i64(32)), 2)
-        with builder.if_then(builder.icmp_unsigned("!=", builder.urem(d, i64(32)), i64(0))):
-            emit_pass(builder.mul(pairs, i64(32)), 1)
+        if fused:
+            pairs = builder.udiv(d, i64(32))
+            with cgutils.for_range(builder, pairs) as loop:
+                emit_pass(builder.mul(loop.index, i64(32)), 2)
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(d, i64(32)), i64(0))):
+                emit_pass(builder.mul(pairs, i64(32)), 1)
+        else:  # AVX2: 4 x 2 x 16 lanes of sums would spill AVX2's 16 registers; 4 x 16 lanes fit
+            with cgutils.for_range(builder, builder.udiv(d, i64(16))) as loop:
+                emit_pass(builder.mul(loop.index, i64(16)), 1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -252,10 +256,11 @@ def _qk_block(typingctx, q_buf, flat, logits, k_off, p0, n, bs, profile):
                     ptr = builder.gep(l_rows[m], [builder.add(t, i64(16 * u))])
                     builder.store(builder.load(slots[m][u]), builder.bitcast(ptr, VF.as_pointer()), align=4)
 
-        quads = builder.udiv(chunks16, i64(4))
+        per_pass = 4 if fused else 1  # AVX2: 4 x 4 x 16 lanes of sums would spill its 16 registers
+        quads = builder.udiv(chunks16, i64(per_pass))
         with cgutils.for_range(builder, quads) as loop:
-            emit_pass(builder.mul(loop.index, i64(64)), 4)
-        rest_start = builder.mul(quads, i64(4))
+            emit_pass(builder.mul(loop.index, i64(16 * per_pass)), per_pass)
+        rest_start = builder.mul(quads, i64(per_pass))
         with cgutils.for_range(builder, builder.sub(chunks16, rest_start)) as loop:
             emit_pass(builder.mul(builder.add(rest_start, loop.index), i64(16)), 1)
         return context.get_dummy_value()
