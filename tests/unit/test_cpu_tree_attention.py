@@ -87,6 +87,7 @@ def test_fast_path_is_vllm_kernel_bit_for_bit_on_chains(dtype, one_thread):
     fast = _fast(dtype)
     assert fast.exact and fast.max_abs_diff == 0.0
     assert (fast.avx512, fast.rne) == cpu_fast.expected_profile()
+    assert fast.vector_exp == (not fast.avx512 and cpu_kernel.vector_expf_agrees())
     # Independently of the check: a batch of chains of several widths and contexts, some over one KV tile.
     from vllm import _custom_ops as ops
 
@@ -143,6 +144,52 @@ def test_fast_path_matches_reference_and_torch_path_on_trees(dtype):
         if dtype == torch.float32:
             torch.testing.assert_close(got, torch_out[rows].view(-1, HQ, D).double(), atol=2e-6, rtol=2e-6)
     assert fast_out[:3].isnan().all()  # rows of other requests are left alone
+
+
+def test_vector_expf_is_libm_bit_for_bit():
+    """The AVX2 profile's exponentials, 16 at a time, are libm's expf: on a sweep of every 61st float of the range a
+    softmax sees (and of the tails, where the result underflows or overflows), bit for bit. (Every float of
+    [-104, 89] agreed with glibc 2.36 when it was written.)"""
+    import platform
+
+    from vllm_treespec.attn import cpu_kernel
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the vector expf follows glibc's; elsewhere the kernel keeps libm's scalar expf")
+    negative = np.arange(0x80000000, 0xC2D80000, 61, dtype=np.uint64).astype(np.uint32)  # -0.0 .. -108
+    positive = np.arange(0, 0x42B80000, 61, dtype=np.uint64).astype(np.uint32)  # 0 .. 92
+    x = np.concatenate([negative, positive]).view(np.float32)
+    x = x[: x.size // 16 * 16]
+    vector, libm = np.empty_like(x), np.empty_like(x)
+    cpu_kernel._vector_and_libm_expf(x, vector, libm)
+    differ = np.flatnonzero(vector.view(np.uint32) != libm.view(np.uint32))
+    assert differ.size == 0, (x[differ[:5]], vector[differ[:5]], libm[differ[:5]])
+    assert cpu_kernel.vector_expf_agrees()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_exponentials_change_no_output_bit(dtype):
+    """The AVX2 profile with libm's exponentials 16 at a time and one at a time: the same outputs, on trees with
+    masked positions, tails of every length and KV tiles whose max moves."""
+    from vllm_treespec.attn import cpu_fast, cpu_kernel
+    from vllm_treespec.attn.plan import build_plan
+
+    rng = np.random.default_rng(5)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    tile = cpu_kernel.kv_tile_length(34, HQ // HKV, D, elem, "vec")
+    contexts = [0, 7, 129, 2 * tile + 3, tile + 77]
+    trees = [random_tree(rng, n) for n in (3, 1, 12, 33, 16)]
+    kv_cache, block_table, query, batch, _ = _batch(dtype, contexts, trees, seed=2)
+    query = query * 4  # sharper softmaxes: maxes that move by more than 8 within a row
+    plan = build_plan(batch, block_table, BS)
+    outs = []
+    for vector_exp in (False, True):
+        out = torch.full((query.shape[0], HQ * D), float("nan"), dtype=dtype)
+        cpu_fast.attend(plan, query, kv_cache, out, SCALE, HQ, D, "vec",
+                        cpu_fast.FastPath(False, False, False, 0.0, vector_exp=vector_exp))
+        outs.append(out)
+    assert not outs[0][3:].isnan().any()  # rows 0-2 belong to no tree
+    assert torch.equal(outs[0][3:], outs[1][3:])
 
 
 def test_fast_path_compiles_once_for_both_query_layouts():
@@ -247,14 +294,16 @@ out = torch.zeros_like(ref)
 view = (lambda t: t.view(torch.uint16).numpy()) if dtype == torch.bfloat16 else (lambda t: t.numpy())
 cpu_kernel.run(view(query), view(cache.view(cache.shape[0], hkv, -1)), view(out.view(-1, hq, d)),
                np.array([0, widths[0]]), np.array(widths), np.array(contexts), table.numpy(), anc, tiles, d ** -0.5,
-               bs, {avx512}, {rne})
+               bs, {avx512}, {rne}, {vector_exp})
 print("EQUAL" if torch.equal(out, ref) else "DIFFER %g" % (out.float() - ref.float()).abs().max())
 """
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("build, avx512, rne", [("AVX2", False, False), ("AVX512", True, False)])
-def test_profiles_match_the_other_vllm_builds(build, avx512, rne, dtype):
+@pytest.mark.parametrize("build, avx512, rne, vector_exp", [("AVX2", False, False, False),
+                                                            ("AVX2", False, False, True),
+                                                            ("AVX512", True, False, False)])
+def test_profiles_match_the_other_vllm_builds(build, avx512, rne, vector_exp, dtype):
     """vLLM ships three x86 builds; the one this CPU loads is checked above. The others load in a fresh process (each
     registers the same ops) and must equal the fast path's profile for them, bit for bit."""
     import subprocess
@@ -262,7 +311,7 @@ def test_profiles_match_the_other_vllm_builds(build, avx512, rne, dtype):
 
     if build == "AVX512" and not torch.cpu._is_avx512_supported():
         pytest.skip("this CPU cannot run vLLM's AVX-512 build")
-    code = _BUILD_CHECK.format(build=build, dtype=dtype, avx512=avx512, rne=rne)
+    code = _BUILD_CHECK.format(build=build, dtype=dtype, avx512=avx512, rne=rne, vector_exp=vector_exp)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.stdout.strip().endswith("EQUAL"), result.stdout[-2000:] + result.stderr[-3000:]
 

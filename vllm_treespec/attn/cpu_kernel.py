@@ -17,12 +17,14 @@ vLLM ships three x86 builds whose arithmetic differs; :func:`run` takes the one 
 
 * ``avx512`` (``vllm._C`` and ``vllm._C_AVX512``): multiply-adds fused (FMA), exponentials from vLLM's polynomial
   ``fast_exp``, lanes reduced as a tree (``_mm512_reduce_add_ps``); else (``vllm._C_AVX2``): separate multiply and add,
-  libm ``expf``, lanes reduced as two sequential halves;
+  libm ``expf`` (16 at a time by a replica of glibc's, :func:`_vec_libm_expf`, where it gives this libm's bits), lanes
+  reduced as two sequential halves;
 * ``rne``: bf16 outputs rounded to nearest even (``vllm._C``, AVX512-BF16), else truncated.
 
 Non-ancestor tree positions get -inf logits, i.e. exact-zero weights. bf16 values travel as their uint16 bits. Four
 query vectors of one KV head (tree rows x the query heads of its group) go through the cache together, so that each
-K or V element loaded serves four dot products. The hot loops (both products, the tile max, the exponentials and
+K or V element loaded serves four dot products (on AVX2, 16 positions or dimensions at a time: the sums fill its 16
+registers; AVX-512 takes 32 or 64). The hot loops (both products, the tile max, the exponentials and
 their lane sums) are LLVM IR with 16-lane vectors, emitted through numba intrinsics; the rest is plain numba. The
 kernel runs on one thread (vLLM's CPU worker here has one; with several, vLLM's kernel spreads its rows over them and
 this one does not).
@@ -43,6 +45,9 @@ LOWEST = np.float32(np.finfo(np.float32).min)
 # Arithmetic profiles, told apart by type so that numba compiles one kernel per profile, with no branch in the loops.
 AVX512_MARK = np.float64(0.0)
 AVX2_MARK = np.float32(0.0)
+#: the AVX2 arithmetic with libm's expf computed 16 lanes at a time (:func:`_vec_libm_expf`), where it agrees with
+#: this process's libm (:func:`vector_expf_agrees`)
+AVX2_VECTOR_EXP_MARK = np.int8(0)
 RNE_MARK = np.int64(0)
 TRUNC_MARK = np.int32(0)
 
@@ -112,6 +117,16 @@ def _is_avx512(profile):  # pragma: no cover - replaced by the overload inside n
 def _is_avx512_impl(profile):
     fused = profile == types.float64  # AVX512_MARK
     return lambda profile: fused
+
+
+def _vector_exp(profile):  # pragma: no cover - replaced by the overload inside numba
+    raise NotImplementedError
+
+
+@overload(_vector_exp, inline="always")
+def _vector_exp_impl(profile):
+    vector = profile == types.int8  # AVX2_VECTOR_EXP_MARK
+    return lambda profile: vector
 
 
 _LN_FLT_MIN = np.float32(-87.3365478515625)  # 0xc2aeac50
@@ -395,6 +410,157 @@ def _tile_exp_sum(typingctx, row, t0, stop, top):
     return sig, codegen
 
 
+# glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, x86-64's FMA build): x / ln2 = k / 32 + r / 32 in double, 2^(k/32) from
+# a 32-entry table of 2^(i/32) with the exponent bits of k added, 2^(r/32) a cubic; the compiler fuses the product
+# into ``r`` (r = fma(x, 32 / ln2, -k)) and into the cubic's multiply-adds. Checked against libm at start-up.
+_EXP2F_BITS = 5
+_EXPF_INV_LN2_N = float.fromhex("0x1.71547652b82fep+0") * (1 << _EXP2F_BITS)
+_EXPF_SHIFT = float.fromhex("0x1.8p+52")
+_EXPF_POLY = (float.fromhex("0x1.c6af84b912394p-5") / 32 ** 3, float.fromhex("0x1.ebfce50fac4f3p-3") / 32 ** 2,
+              float.fromhex("0x1.62e42ff0c52d6p-1") / 32)
+_EXPF_UNDERFLOW = float.fromhex("-0x1.9fe368p6")  # below log(2^-150): 0
+_EXPF_OVERFLOW = float.fromhex("0x1.62e42ep6")  # above log(2^128): inf
+_F64 = ir.DoubleType()
+_I64 = ir.IntType(64)
+VD = ir.VectorType(_F64, LANES)
+VL = ir.VectorType(_I64, LANES)
+
+
+def _exp2_table() -> list[int]:
+    """Bits of 2^(i/32), rounded to double, less i/32 of the exponent field (the table of glibc's expf)."""
+    import decimal
+
+    context = decimal.Context(prec=50)
+    table = []
+    for i in range(1 << _EXP2F_BITS):
+        value = float(context.power(decimal.Decimal(2), decimal.Decimal(i) / (1 << _EXP2F_BITS)))
+        bits = int(np.float64(value).view(np.uint64))
+        table.append((bits - (i << 52) // (1 << _EXP2F_BITS)) % (1 << 64))
+    return table
+
+
+def _vec_libm_expf(builder, x):
+    """libm's ``expf`` (glibc's, above) of 16 float lanes, bit for bit."""
+    module = builder.module
+
+    def dconst(value):
+        return ir.Constant(VD, [float(value)] * LANES)
+
+    def fma(a, b, c):
+        return builder.call(cgutils.get_or_insert_function(module, ir.FunctionType(VD, [VD] * 3), "llvm.fma.v16f64"),
+                            [a, b, c])
+
+    xd = builder.fpext(x, VD)
+    z = builder.fmul(xd, dconst(_EXPF_INV_LN2_N))
+    kd = builder.fadd(z, dconst(_EXPF_SHIFT))  # rounds z to an integer, in kd's low bits
+    ki = builder.bitcast(kd, VL)
+    kd = builder.fsub(kd, dconst(_EXPF_SHIFT))
+    r = fma(xd, dconst(_EXPF_INV_LN2_N), builder.fneg(kd))
+    name = "vllm_treespec_exp2f_table"
+    table = module.globals.get(name)
+    if table is None:
+        table = ir.GlobalVariable(module, ir.ArrayType(_I64, 1 << _EXP2F_BITS), name)
+        table.initializer = ir.Constant(ir.ArrayType(_I64, 1 << _EXP2F_BITS), _exp2_table())
+        table.global_constant = True
+        table.linkage = "internal"
+    index = builder.and_(ki, ir.Constant(VL, [(1 << _EXP2F_BITS) - 1] * LANES))
+    t = ir.Constant(VL, ir.Undefined)
+    for lane in range(LANES):  # llvmlite has no vector GEP: one load per lane
+        i = builder.extract_element(index, ir.Constant(_I32, lane))
+        t = builder.insert_element(t, builder.load(builder.gep(table, [_I64(0), i])), ir.Constant(_I32, lane))
+    t = builder.add(t, builder.shl(ki, ir.Constant(VL, [52 - _EXP2F_BITS] * LANES)))
+    c0, c1, c2 = (dconst(c) for c in _EXPF_POLY)
+    y = fma(fma(c0, r, c1), builder.fmul(r, r), fma(c2, r, dconst(1.0)))
+    out = builder.fptrunc(builder.fmul(y, builder.bitcast(t, VD)), VF)
+    out = builder.select(builder.fcmp_ordered("<", x, _vconst(_EXPF_UNDERFLOW)), _vconst(0.0), out)
+    out = builder.select(builder.fcmp_ordered(">", x, _vconst(_EXPF_OVERFLOW)), _vconst(float("inf")), out)
+    return builder.select(builder.fcmp_unordered("uno", x, x), builder.fadd(x, x), out)
+
+
+@intrinsic
+def _tile_libm_exp_sum(typingctx, row, t0, stop, top):
+    """AVX2 profile: ``row[p] = expf(row[p] - top)`` for p in ``[t0, stop)`` (:func:`_vec_libm_expf`), zeros up to
+    the next multiple of 16 from t0; returns the exponentials summed in 16 lanes (lane = p mod 16, t0 a multiple of
+    16), each lane from 0 in order of p, and the lanes reduced as vLLM's AVX2 build does: lanes 0-7 in order, lanes
+    8-15 in order, then the two."""
+    if not (isinstance(row, types.Array) and row.layout == "C" and row.dtype == types.float32):
+        return None
+    sig = types.float32(row, types.int64, types.int64, types.float32)
+
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        t0, stop, top = args[1], args[2], args[3]
+        i64 = t0.type
+        base = builder.gep(arr.data, [t0])
+        count = builder.sub(stop, t0)
+        full = builder.udiv(count, i64(LANES))
+        vtop = _splat(builder, top)
+        slot = cgutils.alloca_once_value(builder, _vconst(0.0))
+        with cgutils.for_range(builder, full) as loop:
+            ptr = _chunk_ptr(builder, base, loop.index)
+            e = _vec_libm_expf(builder, builder.fsub(builder.load(ptr, align=4), vtop))
+            builder.store(e, ptr, align=4)
+            builder.store(builder.fadd(builder.load(slot), e), slot)
+        rest = builder.sub(count, builder.mul(full, i64(LANES)))
+        with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
+            ptr = _chunk_ptr(builder, base, full)
+            e = _vec_libm_expf(builder, builder.fsub(builder.load(ptr, align=4), vtop))
+            e = builder.select(_lane_mask(builder, rest), e, _vconst(0.0))  # + 0.0 leaves a lane's sum as it is
+            builder.store(e, ptr, align=4)
+            builder.store(builder.fadd(builder.load(slot), e), slot)
+        vec = builder.load(slot)
+        halves = []
+        for start in (0, LANES // 2):
+            total = builder.extract_element(vec, ir.Constant(_I32, start))
+            for i in range(start + 1, start + LANES // 2):
+                total = builder.fadd(total, builder.extract_element(vec, ir.Constant(_I32, i)))
+            halves.append(total)
+        return builder.fadd(halves[0], halves[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def _libm_exp_lanes(typingctx, src, dst):
+    """``dst[i] = expf(src[i])`` through :func:`_vec_libm_expf`, 16 at a time (sizes a multiple of 16)."""
+    if not all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float32 for a in (src, dst)):
+        return None
+    sig = types.void(src, dst)
+
+    def codegen(context, builder, signature, args):
+        s = context.make_array(signature.args[0])(context, builder, args[0])
+        d = context.make_array(signature.args[1])(context, builder, args[1])
+        with cgutils.for_range(builder, builder.udiv(builder.extract_value(s.shape, 0), _I64(LANES))) as loop:
+            builder.store(_vec_libm_expf(builder, builder.load(_chunk_ptr(builder, s.data, loop.index), align=4)),
+                          _chunk_ptr(builder, d.data, loop.index), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def _vector_and_libm_expf(x, vector, libm):
+    _libm_exp_lanes(x, vector)
+    for i in range(x.size):
+        libm[i] = math.exp(x[i])
+
+
+@functools.cache
+def vector_expf_agrees(samples: int = 1 << 20) -> bool:
+    """Whether :func:`_vec_libm_expf` gives this process's libm ``expf`` bits (the one numba and vLLM's AVX2 build
+    call) on every one of ``samples`` floats spread over the range an exponential of the softmax sees, and on the
+    special values. (It did on every float in [-104, 89] with glibc 2.36.)"""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-110.0, 10.0, samples).astype(np.float32),
+                        np.array([0.0, -0.0, -np.inf, np.inf, np.nan, _EXPF_UNDERFLOW, _EXPF_OVERFLOW, -87.5,
+                                  np.finfo(np.float32).min, 8.0, -8.0, 1e-30, -1e-30, -103.5, 88.0, 1.0],
+                                 np.float32)])
+    x = x[: x.size // LANES * LANES]
+    vector, libm = np.empty_like(x), np.empty_like(x)
+    _vector_and_libm_expf(x, vector, libm)
+    return bool(np.array_equal(vector.view(np.uint32), libm.view(np.uint32)))
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def _softmax_tile(row, t0, stop, t1, running_max, total, lanes, profile):
     """One KV tile of vLLM's online softmax for one query vector: the logits ``row[t0:stop]`` become exponentials and
@@ -409,6 +575,9 @@ def _softmax_tile(row, t0, stop, t1, running_max, total, lanes, profile):
     if _is_avx512(profile):
         tile_sum = _tile_exp_sum(row, t0, stop, top)
         last = np.uint64(min(t0 + (stop - t0 + 15) // 16 * 16, t1))  # written by _tile_exp_sum
+    elif _vector_exp(profile):
+        tile_sum = _tile_libm_exp_sum(row, t0, stop, top)
+        last = np.uint64(min(t0 + (stop - t0 + 15) // 16 * 16, t1))  # written by _tile_libm_exp_sum
     else:
         for i in range(16):
             lanes[i] = zero
@@ -442,7 +611,7 @@ def tree_attention_rows(query, cache, output, q_start, num_rows, context_len, bl
     r: its first query row ``q_start[r]``, ``num_rows[r]`` rows (root + nodes), ``context_len[r]`` committed tokens
     (the root sits at that position, node i at the next ones), ``block_ids[r]`` its block table row,
     ``ancestors[r, i, j]`` whether row i sees tree row j, ``kv_tile[r]`` vLLM's KV tile length for it.
-    ``profile``: :data:`AVX512_MARK` or :data:`AVX2_MARK`; ``rounding``: :data:`RNE_MARK` or :data:`TRUNC_MARK`.
+    ``profile``: :data:`AVX512_MARK`, :data:`AVX2_MARK` or :data:`AVX2_VECTOR_EXP_MARK`; ``rounding``: :data:`RNE_MARK` or :data:`TRUNC_MARK`.
     """
     hq = query.shape[1]
     d = query.shape[2]
@@ -523,10 +692,12 @@ def tree_attention_rows(query, cache, output, q_start, num_rows, context_len, bl
 
 
 def run(query, cache, output, q_start, num_rows, context_len, block_ids, ancestors, kv_tile, scale: float,
-        block_size: int, avx512: bool, rne: bool) -> None:
-    """:func:`tree_attention_rows` with the arithmetic profile given as booleans (see the module docstring)."""
+        block_size: int, avx512: bool, rne: bool, vector_exp: bool = False) -> None:
+    """:func:`tree_attention_rows` with the arithmetic profile given as booleans (see the module docstring);
+    ``vector_exp``: the AVX2 profile's exponentials 16 at a time (only where :func:`vector_expf_agrees`)."""
+    profile = AVX512_MARK if avx512 else (AVX2_VECTOR_EXP_MARK if vector_exp else AVX2_MARK)
     tree_attention_rows(query, cache, output, q_start, num_rows, context_len, block_ids, ancestors, kv_tile, scale,
-                        block_size, AVX512_MARK if avx512 else AVX2_MARK, RNE_MARK if rne else TRUNC_MARK)
+                        block_size, profile, RNE_MARK if rne else TRUNC_MARK)
 
 
 def kv_tile_length(num_rows: int, q_heads_per_kv: int, head_dim: int, kv_elem_size: int, isa: str,
