@@ -165,6 +165,8 @@ def test_vector_expf_is_libm_bit_for_bit():
     differ = np.flatnonzero(vector.view(np.uint32) != libm.view(np.uint32))
     assert differ.size == 0, (x[differ[:5]], vector[differ[:5]], libm[differ[:5]])
     assert cpu_kernel.vector_expf_agrees()
+    # step-cost curves are keyed by it: timed with scalar exponentials, they are timed again
+    assert cpu_kernel.kernel_summary() == f"{cpu_kernel.KERNEL_VERSION} vector-expf"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

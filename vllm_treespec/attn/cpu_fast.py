@@ -16,7 +16,6 @@ with one log line per geometry.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -89,29 +88,25 @@ def _check(isa: str, dtype: torch.dtype, block_size: int, head_size: int, num_kv
     except Exception as exc:  # noqa: BLE001 - a layout or op we cannot drive means "cannot read"
         return None, f"the read-back check could not run ({type(exc).__name__}: {exc})"
     order = [expected_profile()] + [p for p in PROFILES if p != expected_profile()]
+    # the AVX2 profile computes libm's exponentials 16 at a time where that gives libm's bits (the same outputs, the
+    # softmax ~2x cheaper); checked here like any profile, which also compiles it before the first tree step
+    candidates = [(avx512, rne, vector) for avx512, rne in order
+                  for vector in ((True, False) if not avx512 and cpu_kernel.vector_expf_agrees() else (False,))]
     best: FastPath | None = None
-    for avx512, rne in order:
+    for avx512, rne, vector_exp in candidates:
         try:
-            got = run(avx512, rne)
+            got = run(avx512, rne, vector_exp)
         except Exception as exc:  # noqa: BLE001
             return None, f"the fast kernel failed on the check batch ({type(exc).__name__}: {exc})"
         diff = float((got.float() - reference.float()).abs().max())
         if torch.equal(got, reference):
-            return _with_vector_exp(FastPath(avx512, rne, True, 0.0)), ""
+            return FastPath(avx512, rne, True, 0.0, vector_exp), ""
         if best is None or diff < best.max_abs_diff:
-            best = FastPath(avx512, rne, False, diff)
+            best = FastPath(avx512, rne, False, diff, vector_exp)
     if best is not None and best.max_abs_diff <= TOLERANCE[dtype]:
-        return _with_vector_exp(best), ""
+        return best, ""
     return None, (f"it differs from vLLM's kernel by {best.max_abs_diff:.3g} on a chain (more than "
                   f"{TOLERANCE[dtype]:g})")
-
-
-def _with_vector_exp(fast: FastPath) -> FastPath:
-    """The AVX2 profile computes libm's exponentials 16 at a time where that gives libm's bits (one check per
-    process): the same outputs, the softmax ~2x cheaper."""
-    if fast.avx512 or not cpu_kernel.vector_expf_agrees():
-        return fast
-    return dataclasses.replace(fast, vector_exp=True)
 
 
 def _check_batch(isa: str, dtype: torch.dtype, block_size: int, head_size: int, num_kv_heads: int, num_heads: int):
@@ -164,9 +159,10 @@ def _check_batch(isa: str, dtype: torch.dtype, block_size: int, head_size: int, 
                              context_len=np.array(contexts, np.int64), block_rows=block_table.numpy(),
                              ancestors=ancestors)
 
-    def run(avx512: bool, rne: bool) -> torch.Tensor:
+    def run(avx512: bool, rne: bool, vector_exp: bool) -> torch.Tensor:
         output = torch.full_like(reference, float("nan"))
-        attend(plan, query, cache, output, scale, num_heads, head_size, isa, FastPath(avx512, rne, False, 0.0))
+        attend(plan, query, cache, output, scale, num_heads, head_size, isa,
+               FastPath(avx512, rne, False, 0.0, vector_exp))
         return output
 
     return reference, run

@@ -65,7 +65,18 @@ def cost_key(runner: Any) -> CostKey:
     model_config = runner.vllm_config.model_config
     return CostKey(model=str(model_config.model), dtype=str(model_config.dtype).removeprefix("torch."),
                    device=device_name(), vllm_version=str(vllm.__version__), torch_threads=torch.get_num_threads(),
-                   linear=kernel_summary())
+                   linear=kernel_summary(), tree_attention=tree_attention_summary())
+
+
+def tree_attention_summary() -> str:
+    """The CPU tree-row kernel a curve was timed with (its tree steps' attention), "" off CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    from vllm_treespec.attn import cpu_kernel
+
+    return cpu_kernel.kernel_summary()
 
 
 def default_points(runner: Any, grid: Sequence[int] = TOKEN_GRID, batch_reqs: Sequence[int] = BATCH_REQS,

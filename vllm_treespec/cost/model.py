@@ -349,6 +349,7 @@ class CostKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     vllm_version: str
     torch_threads: int
     linear: str = "vllm"  # the CPU dense linear the layers use (vllm_treespec.patches.cpu_gemm.kernel_summary)
+    tree_attention: str = ""  # the CPU tree-row kernel (vllm_treespec.attn.cpu_kernel.kernel_summary); "" elsewhere
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
