@@ -33,8 +33,10 @@ from vllm_treespec.device_defaults import device_name
 
 logger = logging.getLogger("vllm.treespec")
 
-#: dense where CPU GEMM paths switch (a few rows), sparse where time grows linearly
-TOKEN_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: dense where CPU GEMM paths switch (a few rows), sparse where time grows linearly; 6 | 7 and 12 | 13 straddle the
+#: steps of our CPU linear's cost (register blocks of 6 rows: 8 and 9 rows cost the same, ~1.65x 5 rows), which a
+#: line from 6 to 8 priced at half their height
+TOKEN_GRID = (1, 2, 3, 4, 6, 7, 8, 12, 13, 16, 24, 32, 48, 64)
 #: requests of the multi-request points; each is measured at 1 and 4 tokens per request
 BATCH_REQS = (2, 4, 8)
 BATCH_TOKENS_PER_REQ = (1, 4)
