@@ -372,15 +372,10 @@ def _tile_max(typingctx, row, t0, stop, init):
     return sig, codegen
 
 
-@intrinsic
-def _tile_exp_sum(typingctx, row, t0, stop, top):
-    """AVX-512 profile: ``row[p] = fast_exp(row[p] - top)`` for p in ``[t0, stop)``, zeros up to the next multiple of
-    16 from t0; returns the exponentials summed in 16 lanes (lane = p mod 16, t0 a multiple of 16) and the lanes
-    reduced as ``_mm512_reduce_add_ps`` does (halves, quarters, pairs, then the last two)."""
-    if not (isinstance(row, types.Array) and row.layout == "C" and row.dtype == types.float32):
-        return None
-    sig = types.float32(row, types.int64, types.int64, types.float32)
-
+def _tile_exp_sum_codegen(vec_exp, reduce):
+    """Codegen of a ``(row, t0, stop, top) -> float32`` tile intrinsic: ``row[p] = vec_exp(row[p] - top)`` for p in
+    ``[t0, stop)``, zeros up to the next multiple of 16 from t0, the exponentials summed in 16 lanes (lane = p mod 16,
+    t0 a multiple of 16; each lane from 0 in order of p) and the lanes summed by ``reduce(builder, vec)``."""
     def codegen(context, builder, signature, args):
         arr = context.make_array(signature.args[0])(context, builder, args[0])
         t0, stop, top = args[1], args[2], args[3]
@@ -392,24 +387,53 @@ def _tile_exp_sum(typingctx, row, t0, stop, top):
         slot = cgutils.alloca_once_value(builder, _vconst(0.0))
         with cgutils.for_range(builder, full) as loop:
             ptr = _chunk_ptr(builder, base, loop.index)
-            e = _vec_fast_exp(builder, builder.fsub(builder.load(ptr, align=4), vtop))
+            e = vec_exp(builder, builder.fsub(builder.load(ptr, align=4), vtop))
             builder.store(e, ptr, align=4)
             builder.store(builder.fadd(builder.load(slot), e), slot)
         rest = builder.sub(count, builder.mul(full, i64(LANES)))
         with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
             ptr = _chunk_ptr(builder, base, full)
-            e = _vec_fast_exp(builder, builder.fsub(builder.load(ptr, align=4), vtop))
-            e = builder.select(_lane_mask(builder, rest), e, _vconst(0.0))
+            e = vec_exp(builder, builder.fsub(builder.load(ptr, align=4), vtop))
+            e = builder.select(_lane_mask(builder, rest), e, _vconst(0.0))  # + 0.0 leaves a lane's sum as it is
             builder.store(e, ptr, align=4)
             builder.store(builder.fadd(builder.load(slot), e), slot)
-        vec = builder.load(slot)
-        a = builder.fadd(_half(builder, vec, 8, False), _half(builder, vec, 8, True))
-        b = builder.fadd(_half(builder, a, 4, False), _half(builder, a, 4, True))
-        c = builder.fadd(_half(builder, b, 2, False), _half(builder, b, 2, True))
-        return builder.fadd(builder.extract_element(c, ir.Constant(_I32, 0)),
-                            builder.extract_element(c, ir.Constant(_I32, 1)))
+        return reduce(builder, builder.load(slot))
 
-    return sig, codegen
+    return codegen
+
+
+def _is_tile_row(row) -> bool:
+    return isinstance(row, types.Array) and row.layout == "C" and row.dtype == types.float32
+
+
+def _reduce_as_avx512(builder, vec):
+    """The 16 lanes summed as ``_mm512_reduce_add_ps`` does (halves, quarters, pairs, then the last two)."""
+    a = builder.fadd(_half(builder, vec, 8, False), _half(builder, vec, 8, True))
+    b = builder.fadd(_half(builder, a, 4, False), _half(builder, a, 4, True))
+    c = builder.fadd(_half(builder, b, 2, False), _half(builder, b, 2, True))
+    return builder.fadd(builder.extract_element(c, ir.Constant(_I32, 0)),
+                        builder.extract_element(c, ir.Constant(_I32, 1)))
+
+
+def _reduce_in_two_halves(builder, vec):
+    """The 16 lanes summed as vLLM's AVX2 build does: lanes 0-7 in order, lanes 8-15 in order, then the two."""
+    halves = []
+    for start in (0, LANES // 2):
+        total = builder.extract_element(vec, ir.Constant(_I32, start))
+        for i in range(start + 1, start + LANES // 2):
+            total = builder.fadd(total, builder.extract_element(vec, ir.Constant(_I32, i)))
+        halves.append(total)
+    return builder.fadd(halves[0], halves[1])
+
+
+@intrinsic
+def _tile_exp_sum(typingctx, row, t0, stop, top):
+    """AVX-512 profile: :func:`_tile_exp_sum_codegen` with vLLM's ``fast_exp``, the lanes reduced as
+    ``_mm512_reduce_add_ps`` does."""
+    if not _is_tile_row(row):
+        return None
+    return (types.float32(row, types.int64, types.int64, types.float32),
+            _tile_exp_sum_codegen(_vec_fast_exp, _reduce_as_avx512))
 
 
 # glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, x86-64's FMA build): x / ln2 = k / 32 + r / 32 in double, 2^(k/32) from
@@ -481,45 +505,12 @@ def _vec_libm_expf(builder, x):
 
 @intrinsic
 def _tile_libm_exp_sum(typingctx, row, t0, stop, top):
-    """AVX2 profile: ``row[p] = expf(row[p] - top)`` for p in ``[t0, stop)`` (:func:`_vec_libm_expf`), zeros up to
-    the next multiple of 16 from t0; returns the exponentials summed in 16 lanes (lane = p mod 16, t0 a multiple of
-    16), each lane from 0 in order of p, and the lanes reduced as vLLM's AVX2 build does: lanes 0-7 in order, lanes
-    8-15 in order, then the two."""
-    if not (isinstance(row, types.Array) and row.layout == "C" and row.dtype == types.float32):
+    """AVX2 profile: :func:`_tile_exp_sum_codegen` with libm's ``expf`` 16 at a time (:func:`_vec_libm_expf`), the
+    lanes reduced as vLLM's AVX2 build does."""
+    if not _is_tile_row(row):
         return None
-    sig = types.float32(row, types.int64, types.int64, types.float32)
-
-    def codegen(context, builder, signature, args):
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        t0, stop, top = args[1], args[2], args[3]
-        i64 = t0.type
-        base = builder.gep(arr.data, [t0])
-        count = builder.sub(stop, t0)
-        full = builder.udiv(count, i64(LANES))
-        vtop = _splat(builder, top)
-        slot = cgutils.alloca_once_value(builder, _vconst(0.0))
-        with cgutils.for_range(builder, full) as loop:
-            ptr = _chunk_ptr(builder, base, loop.index)
-            e = _vec_libm_expf(builder, builder.fsub(builder.load(ptr, align=4), vtop))
-            builder.store(e, ptr, align=4)
-            builder.store(builder.fadd(builder.load(slot), e), slot)
-        rest = builder.sub(count, builder.mul(full, i64(LANES)))
-        with builder.if_then(builder.icmp_signed(">", rest, i64(0))):
-            ptr = _chunk_ptr(builder, base, full)
-            e = _vec_libm_expf(builder, builder.fsub(builder.load(ptr, align=4), vtop))
-            e = builder.select(_lane_mask(builder, rest), e, _vconst(0.0))  # + 0.0 leaves a lane's sum as it is
-            builder.store(e, ptr, align=4)
-            builder.store(builder.fadd(builder.load(slot), e), slot)
-        vec = builder.load(slot)
-        halves = []
-        for start in (0, LANES // 2):
-            total = builder.extract_element(vec, ir.Constant(_I32, start))
-            for i in range(start + 1, start + LANES // 2):
-                total = builder.fadd(total, builder.extract_element(vec, ir.Constant(_I32, i)))
-            halves.append(total)
-        return builder.fadd(halves[0], halves[1])
-
-    return sig, codegen
+    return (types.float32(row, types.int64, types.int64, types.float32),
+            _tile_exp_sum_codegen(_vec_libm_expf, _reduce_in_two_halves))
 
 
 @intrinsic
