@@ -95,6 +95,41 @@ def test_near_max_model_len(base, tree, model):
     assert len(ids) + len(got[0]) <= 1024
 
 
+def test_a_request_near_max_model_len_does_not_fill_the_batch_with_filler_drafts(base, model, prompts):
+    """While one request is within num_speculative_tokens of max_model_len, vLLM's runner would skip the drafter for
+    the whole batch and schedule num_speculative_tokens zeros (token 0 is in no prompt here) for every request:
+    with the tree verifier the drafter keeps drafting, the short request's drafts are still verified, and every
+    scheduled draft is the drafter's."""
+    from transformers import AutoTokenizer
+    from vllm.inputs import TokensPrompt
+
+    ids = AutoTokenizer.from_pretrained(model)("def f(x):\n    return x + 1\n" * 80)["input_ids"][: 1024 - 40]
+    batch = [TokensPrompt(prompt_token_ids=ids), prompts[0]]
+    params = [greedy(max_tokens=100), greedy(max_tokens=60)]
+    llm = make_llm(model, {"method": "static_tree", "num_speculative_tokens": 24, "branches": 4, "depth": 6})
+    scheduled: list[dict[str, list[int]]] = []
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def recording_schedule(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            scheduled.append({r: list(t) for r, t in output.scheduled_spec_decode_tokens.items()})
+            return output
+
+        scheduler.schedule = recording_schedule
+        got = token_ids(llm.generate(batch, params, use_tqdm=False))
+    finally:
+        close(llm)
+    assert got == token_ids(base.generate(batch, params, use_tqdm=False))
+    assert len(ids) + len(got[0]) <= 1024
+    drafts = [tokens for step in scheduled for tokens in step.values()]
+    assert drafts and all(0 not in tokens for tokens in drafts)
+    # the long request is within 24 tokens of the limit after its 16th token: steps where both requests verified
+    # drafts are steps vLLM's runner would have filled with zeros
+    assert any(len(step) == 2 for step in scheduled), scheduled
+
+
 def test_abort_mid_batch(base, tree, prompts):
     """Requests aborted while others keep decoding: survivors stay identical, the engine keeps working."""
     expected = token_ids(base.generate(prompts[:4], greedy(max_tokens=60), use_tqdm=False))

@@ -71,7 +71,7 @@ def test_patch_signatures_match_installed_vllm():
     gpu_worker.apply()  # GPU only; its signature is recorded on every platform
     draft_delivery.apply()
     cpu_gemm.apply()
-    assert len(EXPECTED_SIGNATURES) == 20
+    assert len(EXPECTED_SIGNATURES) == 21
     assert check_signatures() == []
 
 

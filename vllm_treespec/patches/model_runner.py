@@ -60,6 +60,17 @@ def apply() -> None:
                                 aux_hidden_states if wants_hidden else None, self.query_start_loc.np,
                                 scheduler_output.scheduled_spec_decode_tokens)
 
+    @wrap_method(GPUModelRunner, "_input_fits_in_drafter", ("self", "common_attn_metadata"))
+    def _input_fits_in_drafter(original, self, common_attn_metadata):
+        # Once any request of the batch is within num_speculative_tokens of max_model_len, vLLM skips the drafter
+        # for the whole batch and hands the scheduler num_speculative_tokens zeros per request as drafts: every
+        # request then verified (and rejected) 32 filler tokens a step, for as long as the long one ran (4.7x slower
+        # offline at 16 requests). A tree verifier cuts each request's tree to what it can still commit
+        # (committable_depths), so it always drafts. (vLLM issues #34734, #52756: the zeros are scheduled as drafts.)
+        if _verifier(self) is None or common_attn_metadata is None:
+            return original(self, common_attn_metadata)
+        return True
+
     @wrap_method(GPUModelRunner, "_prepare_inputs", ("self", "scheduler_output", "num_scheduled_tokens"))
     def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
         result = original(self, scheduler_output, num_scheduled_tokens)
