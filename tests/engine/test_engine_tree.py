@@ -80,7 +80,8 @@ def test_mixed_tree_chain_and_no_draft_rows(base, tree, prompts):
 
 
 def test_near_max_model_len(base, tree, model):
-    """Generation that runs into max_model_len: drafts are cut by the scheduler and by the drafter-fit check."""
+    """Generation that runs into max_model_len: trees are cut to what the request can still commit (the verifier's
+    committable_depths) and drafts to the slots left (the scheduler)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
