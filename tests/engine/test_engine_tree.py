@@ -79,16 +79,19 @@ def test_mixed_tree_chain_and_no_draft_rows(base, tree, prompts):
     assert got[1].outputs[0].logprobs is not None and len(got[1].outputs[0].logprobs) == MAX_TOKENS
 
 
+def near_limit_prompt(model: str, room: int) -> list[int]:
+    """Token ids of a repetitive code prompt that leaves ``room`` tokens of make_llm's max_model_len (1024)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)("def f(x):\n    return x + 1\n" * 80)["input_ids"][: 1024 - room]
+
+
 def test_near_max_model_len(base, tree, model):
     """Generation that runs into max_model_len: trees are cut to what the request can still commit (the verifier's
     committable_depths) and drafts to the slots left (the scheduler)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    text = "def f(x):\n    return x + 1\n" * 80
-    ids = tok(text)["input_ids"][: 1024 - 30]
     from vllm.inputs import TokensPrompt
 
+    ids = near_limit_prompt(model, room=30)
     prompt = [TokensPrompt(prompt_token_ids=ids)]
     expected = token_ids(base.generate(prompt, greedy(max_tokens=100), use_tqdm=False))
     got = token_ids(tree.generate(prompt, greedy(max_tokens=100), use_tqdm=False))
@@ -101,10 +104,9 @@ def test_a_request_near_max_model_len_does_not_fill_the_batch_with_filler_drafts
     the whole batch and schedule num_speculative_tokens zeros (token 0 is in no prompt here) for every request:
     with the tree verifier the drafter keeps drafting, the short request's drafts are still verified, and every
     scheduled draft is the drafter's."""
-    from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    ids = AutoTokenizer.from_pretrained(model)("def f(x):\n    return x + 1\n" * 80)["input_ids"][: 1024 - 40]
+    ids = near_limit_prompt(model, room=40)
     batch = [TokensPrompt(prompt_token_ids=ids), prompts[0]]
     params = [greedy(max_tokens=100), greedy(max_tokens=60)]
     llm = make_llm(model, {"method": "static_tree", "num_speculative_tokens": 24, "branches": 4, "depth": 6})
