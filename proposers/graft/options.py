@@ -67,10 +67,6 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: the head stops growing a request's tree at the checkpoint that prunes it (saves head levels); False = the
     #: full EAGLE tree is drafted and pruned afterwards (ablation: same checkpoints, more drafting)
     stop_drafting_at_checkpoints: bool = True
-    #: under the step budget the head's gate weighs its recent trees, with its measured cost, against this step's
-    #: own retrieval-only trees (a step with a confident match is drafted without the head, one with no match with
-    #: it); False = against the retrieval-only trees' running mean over recent steps (ablation)
-    head_gate_per_step: bool = True
     #: the model drafter drafts (and reads the step's rows) only while the batch has at most this many requests;
     #: larger batches get retrieval-only trees. None = under the step budget (``cost_budget``) the head drafts while
     #: its trees are expected to gain more than its measured time per step costs, and more than the retrieval-only

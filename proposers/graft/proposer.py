@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -134,8 +134,7 @@ class GraftProposer(TreeProposer):
             return self.min_node_confidence
         return 0.0
 
-    def head_drafts(self, ctx: ProposeContext, budget: int, rows: list[int],
-                    retrieval_trees: Callable[[], list[DraftTree]] | None = None) -> bool:
+    def head_drafts(self, ctx: ProposeContext, budget: int, rows: list[int]) -> bool:
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
         beat its measured cost, both against plain decoding and against the retrieval-only trees graft drafts without
         it (a head that adds little to a confident match only costs), and on every probe of the verifier's gate
@@ -144,13 +143,7 @@ class GraftProposer(TreeProposer):
         a step drafted without the head only to measure them would also teach the verifier's gate, which prices
         whatever graft proposes, that graft's trees are worth less than the head's, and a fresh engine's gate then
         skipped drafting for the next 16-128 steps after each such step. Both gates price the drafting requests'
-        rows by their sequence lengths (``ctx.row_excess``), as the verifier does.
-
-        With ``head_gate_per_step`` (default) the retrieval-only trees weighed are this step's own
-        (``retrieval_trees``: one per drafting row, assembled before the head is asked): a step whose retrieval
-        match already reaches the rate the head's recent trees reach with its cost (a passage copied from the prompt)
-        is drafted without the head, and one where retrieval finds nothing is drafted with it, whatever retrieval
-        found on the steps before."""
+        rows by their sequence lengths (``ctx.row_excess``), as the verifier does."""
         num_drafting = len(rows)
         if self.drafter is None or budget <= 0 or num_drafting == 0:
             return False
@@ -168,10 +161,6 @@ class GraftProposer(TreeProposer):
             return False
         if self.head_gate.probing or self.head_gate.last_rates is None:
             return True
-        if self.options.head_gate_per_step and retrieval_trees is not None:
-            retrieval_best = self.head_gate.best_of(retrieval_trees(), num_drafting, budget,
-                                                    scale=ctx.expectation_factor, row_excess=excess)
-            return self.head_gate.last_rates[0] > retrieval_best
         if self.retrieval_gate.marginal is None:
             return True  # nothing to weigh the head against yet: this step prices the retrieval-only trees too
         retrieval_best, _ = self.retrieval_gate.expected_best(num_drafting, budget, row_excess=excess)
@@ -185,8 +174,7 @@ class GraftProposer(TreeProposer):
     def retrieval_alternatives(self, use_drafter: bool) -> bool:
         """Whether this head step also assembles the tree each request would get without the head (never verified),
         for the retrieval gate: on the first head step and every ``probe_every``-th of a streak."""
-        if not use_drafter or self.retrieval_gate is None or self.head_gate is None \
-                or self.options.head_gate_per_step:
+        if not use_drafter or self.retrieval_gate is None or self.head_gate is None:
             return False
         return self.retrieval_gate.marginal is None or (self._head_streak - 1) % self.head_gate.probe_every == 0
 
@@ -194,18 +182,7 @@ class GraftProposer(TreeProposer):
         self.stats.steps += 1
         budget = self.budget(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
-        looked = {i: self._look_up(ctx, i, budget) for i in rows} if budget > 0 else {}
-        floor = self.floor(ctx)
-        retrieval_only: dict[int, tuple[str, DraftGrowth, AssembledTree]] = {}
-
-        def retrieval_trees() -> list[DraftTree]:
-            """The drafting rows' retrieval-only trees (assembled once a step, whoever asks first)."""
-            for i in rows:
-                if i not in retrieval_only:
-                    retrieval_only[i] = self._retrieval_tree(looked[i], budget, floor)
-            return [retrieval_only[i][2].tree for i in rows]
-
-        use_drafter = self.head_drafts(ctx, budget, rows, retrieval_trees)
+        use_drafter = self.head_drafts(ctx, budget, rows)
         self._head_streak = self._head_streak + 1 if use_drafter else 0
         started = time.perf_counter()
         if use_drafter:
@@ -226,17 +203,16 @@ class GraftProposer(TreeProposer):
             head_seconds = time.perf_counter() - started
             self.head_cost.observe(len(rows), head_seconds)
             ctx.self_gated_seconds = head_seconds  # priced by the head's own gate (head_drafts), not the verifier's
+        floor = self.floor(ctx)
         alternatives = self.retrieval_alternatives(use_drafter)
-        if alternatives:
-            retrieval_trees()
-        assembled = {i: self._tree(looked[i], budget, model_drafts.get(i), floor, retrieval_only.get(i))
-                     for i in rows}
+        built = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor, alternatives) for i in rows}
+        assembled = {i: tree for i, (tree, _) in built.items()}
         # what the trees with the head, and without it, are worth, priced as the verifier will price them
         if use_drafter and self.head_gate is not None:
             self.head_gate.record([a.tree for a in assembled.values()], scale=ctx.expectation_factor)
             if alternatives:
-                self.retrieval_gate.record([retrieval_only[i][2].tree for i in rows], scale=ctx.expectation_factor)
-        elif self.retrieval_gate is not None and not self.options.head_gate_per_step:
+                self.retrieval_gate.record([alt.tree for _, alt in built.values()], scale=ctx.expectation_factor)
+        elif self.retrieval_gate is not None:
             self.retrieval_gate.record([a.tree for a in assembled.values()], scale=ctx.expectation_factor)
         for i, a in assembled.items():
             # the raw numbers and their sources: the verifier calibrates them (the same rates graft ranked by)
@@ -250,32 +226,27 @@ class GraftProposer(TreeProposer):
                    for i, t in self.drafter.draft(ctx, rows).items()}
         return {i: g for i, g in growths.items() if len(g)}
 
-    def _look_up(self, ctx: ProposeContext, i: int, budget: int) -> tuple[str, np.ndarray, dict[str, RetrievedTree]]:
-        """Request row ``i``'s id, committed context and what each retrieval source found at its root."""
+    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None, floor: float,
+              alternative: bool = False) -> tuple[AssembledTree, AssembledTree | None]:
+        """Request row ``i``'s tree (on the model drafter's ``draft``, else retrieval-only) and, if ``alternative``,
+        the retrieval-only tree it would have had without the model drafter."""
         req_id, context = ctx.req_ids[i], ctx.committed(i)
         prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
         self.sources.observe(req_id, context)
         self._roots[req_id] = int(context[-1])
-        return req_id, context, self.sources.at_root(req_id, context, budget, prompt_len)
-
-    def _retrieval_tree(self, looked: tuple[str, np.ndarray, dict[str, RetrievedTree]], budget: int, floor: float
-                        ) -> tuple[str, DraftGrowth, AssembledTree]:
-        """(draft source, draft, assembled tree) of the tree a request gets without the model drafter."""
-        req_id, context, found = looked
-        source, draft = self._retrieval_draft(found, budget)
-        return source, draft, self._assemble(req_id, context, draft, source, found, budget, floor)
-
-    def _tree(self, looked: tuple[str, np.ndarray, dict[str, RetrievedTree]], budget: int, draft: DraftGrowth | None,
-              floor: float, retrieval_only: tuple[str, DraftGrowth, AssembledTree] | None) -> AssembledTree:
-        """The tree proposed for a request: on the model drafter's ``draft``, else retrieval-only (``retrieval_only``
-        when it was assembled already)."""
-        req_id, context, found = looked
+        found = self.sources.at_root(req_id, context, budget, prompt_len)
+        retrieval_only = None
         if draft is None:
-            draft_source, draft, assembled = retrieval_only or self._retrieval_tree(looked, budget, floor)
+            draft_source, draft = self._retrieval_draft(found, budget)
             if len(draft):
                 self.stats.draft_source[draft_source] = self.stats.draft_source.get(draft_source, 0) + 1
+            assembled = self._assemble(req_id, context, draft, draft_source, found, budget, floor)
+            retrieval_only = assembled if alternative else None
         else:
             assembled = self._assemble(req_id, context, draft, MODEL_SOURCE, found, budget, floor)
+            if alternative:
+                source, retrieval_draft = self._retrieval_draft(found, budget)
+                retrieval_only = self._assemble(req_id, context, retrieval_draft, source, found, budget, floor)
         if self.calibration is not None and self._learns_acceptance:
             self._last_trees[req_id] = assembled
         tree = assembled.tree
@@ -283,7 +254,7 @@ class GraftProposer(TreeProposer):
         self.stats.draft_nodes += len(draft)
         self.stats.grafted_nodes += tree.num_nodes - len(draft)
         self.stats.pruned += draft.pruned_at is not None
-        return assembled
+        return assembled, retrieval_only
 
     def _retrieval_draft(self, found: dict[str, RetrievedTree], budget: int) -> tuple[str, DraftGrowth]:
         """The draft without a model drafter: the most confident source's tree, pruned at the checkpoints."""

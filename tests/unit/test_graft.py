@@ -637,7 +637,8 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     pair.step_cost = Linear(0.05, 0.001)  # cheap tokens
     p.propose_trees(pair)  # no history: it drafts (the CPU table would not, at batch 2) and learns its worth
     assert drafter.ingested == 1 and p.head_cost.predict(2) is None  # a first call (compiles) is not timed
-    assert p.stats.retrieval_only_steps == 0
+    # ...and what the trees graft drafts without the head are worth, from trees assembled but not proposed
+    assert p.stats.retrieval_only_steps == 0 and p.retrieval_gate.marginal is not None
     p.propose_trees(pair)  # not timed yet, so free: it drafts, and is timed
     assert drafter.ingested == 2 and p.head_cost.predict(2) is not None
     p.head_cost.observe(2, 0.001)
@@ -654,11 +655,9 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1
 
 
-@pytest.mark.parametrize("per_step", [True, False])
-def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_cost(per_step):
+def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_cost():
     """The head's gate weighs its trees, with its measured cost, against the retrieval-only trees graft drafts
-    without it (this step's, or with ``head_gate_per_step`` off their running mean), not only against plain
-    decoding: a head that adds little to a confident retrieval match sits out."""
+    without it, not only against plain decoding: a head that adds little to a confident retrieval match sits out."""
 
     class CountingDrafter(ScriptedDrafter):
         ingested = 0
@@ -668,8 +667,8 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
 
     def graft_with(head_probs, successor_prob):
         drafter = CountingDrafter({0: head_probs})
-        p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False,
-                                             head_gate_per_step=per_step), drafter=drafter, vocab_size=VOCAB)
+        p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
+                          vocab_size=VOCAB)
         p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), successor_prob))
         return p, drafter
 
@@ -688,7 +687,7 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
         expensive = p.head_cost.buckets
         p.head_cost.buckets = {0: 10.0}  # a moment where the head cannot pay: graft drafts retrieval-only
         step(p, cheap_tokens)
-        assert p.stats.retrieval_only_steps == 1 and (p.retrieval_gate.marginal is None) == per_step
+        assert p.stats.retrieval_only_steps == 1 and p.retrieval_gate.marginal is not None
         p.head_cost.buckets = expensive
         before = drafter.ingested
         for _ in range(3):
@@ -707,46 +706,8 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
     assert drafter.ingested == before and p.stats.retrieval_only_steps == 3
 
 
-def test_the_head_drafts_on_the_steps_where_retrieval_finds_less_than_its_trees_with_its_cost():
-    """Per step (``head_gate_per_step``, the default), the head's recent trees with its cost are weighed against this
-    step's own retrieval-only trees: a step whose context ends in a confident successor chain is drafted without the
-    head, a step where retrieval finds nothing with it. Against the retrieval-only trees' running mean (the ablation)
-    one rule serves both kinds of step."""
-
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
-    def run(per_step):
-        drafter = CountingDrafter({0: [0.6, 0.6]})
-        p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False,
-                                             head_gate_per_step=per_step), drafter=drafter, vocab_size=VOCAB)
-        p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.95))
-        p.head_cost.observe(1, 0.01)
-        p.head_cost.observe(1, 0.01)  # 10 ms a call
-        drafted = []
-        for step in range(40):
-            match = step % 2 == 0  # ends in 1 (successors 2, 3, ...) or in 30 (no successor known)
-            ctx = make_ctx([[40, 41, 1 if match else 30]])
-            ctx.step_cost = Linear(0.05, 0.004)
-            before = drafter.ingested
-            tree = p.propose_trees(ctx)[0]
-            drafted.append((match, drafter.ingested > before, tree is not None))
-        return p, drafted[4:]  # past the first steps, which draft with the head to learn its worth
-
-    p, drafted = run(per_step=True)
-    assert all(has_tree for _, _, has_tree in drafted)
-    assert [head for match, head, _ in drafted if match] == [False] * 18  # the chain alone beats the head
-    assert [head for match, head, _ in drafted if not match] == [True] * 18  # nothing retrieved: the head pays
-    assert p.retrieval_gate.marginal is None  # nothing averaged
-    _, averaged = run(per_step=False)
-    assert len({head for _, head, _ in averaged}) == 1  # one decision for both kinds of step
-
-
 def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
-    """With ``head_gate_per_step`` off (the running mean): while the head drafts every step, its first step and every ``probe_every``-th after it also assemble the
+    """While the head drafts every step, its first step and every ``probe_every``-th after it also assemble the
     retrieval-only trees (never proposed), so that what they are worth is not a stale number from the start of the
     request; no step drafts without the head only to measure them (the verifier's gate, which prices whatever graft
     proposes, would learn from such steps that graft's trees are worth less than they are)."""
@@ -758,8 +719,8 @@ def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
             self.ingested += 1
 
     drafter = CountingDrafter({0: [0.99] * 4})
-    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False, head_gate_per_step=False),
-                      drafter=drafter, vocab_size=VOCAB)
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
+                      vocab_size=VOCAB)
     p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.3))
     p.head_cost.observe(1, 0.01)
     p.head_cost.observe(1, 0.01)

@@ -366,26 +366,8 @@ class DraftGate:
                       drafter_seconds: float = 0.0, row_excess: float | None = None) -> tuple[float, float]:
         """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests (``row_excess``: the
         context term of one of their rows, on average; None: at the curve's context)."""
-        _, tokens = self._gain_prefix(num_reqs, max_nodes)
-        return self._rates(tokens, num_reqs, base_tokens, drafter_seconds, row_excess)
-
-    def best_of(self, trees: Sequence[DraftTree | None], num_reqs: int, max_nodes: int | None = None,
-                scale: float = 1.0, row_excess: float | None = None) -> float:
-        """The best rate one step's own ``trees`` (one per drafting request, ``max_nodes`` nodes each at most) could
-        reach, plain decoding's if none pays: priced as :meth:`expected_best` prices the recent trees' mean, with
-        no drafter's seconds and each path probability scaled by ``scale`` as in :meth:`record`."""
-        gains = [np.minimum(np.sort(path_probs(t))[::-1][:max_nodes] * scale, 1.0) for t in trees
-                 if t is not None and t.node_probs is not None and t.num_nodes]
-        merged = np.sort(np.concatenate(gains))[::-1] if gains else np.zeros(0)
-        best, plain = self._rates(num_reqs + np.concatenate([[0.0], np.cumsum(merged)]), num_reqs, None, 0.0,
-                                  row_excess)
-        return max(best, plain)
-
-    def _rates(self, tokens: np.ndarray, num_reqs: int, base_tokens: int | None, drafter_seconds: float,
-               row_excess: float | None) -> tuple[float, float]:
-        """(best rate with k >= 1 nodes, plain rate) of a step whose best k nodes yield ``tokens[k]``."""
         base = num_reqs if base_tokens is None else base_tokens
-        k_all = np.arange(tokens.size)
+        k_all, tokens = self._gain_prefix(num_reqs, max_nodes)
         excess = None if row_excess is None else (num_reqs + k_all) * row_excess
         seconds = _predict(self.cost, base + k_all, num_reqs, excess, base)
         seconds[1:] += drafter_seconds + self.overhead
