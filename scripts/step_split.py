@@ -45,6 +45,7 @@ TIMED = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids"),
+    ("vllm.model_executor.models.llama", "LlamaForCausalLM", "compute_logits"),
     ("vllm.v1.sample.sampler", "Sampler", "forward"),
     ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward"),
