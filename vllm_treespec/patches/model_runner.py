@@ -65,8 +65,9 @@ def apply() -> None:
         # Once any request of the batch is within num_speculative_tokens of max_model_len, vLLM skips the drafter
         # for the whole batch and hands the scheduler num_speculative_tokens zeros per request as drafts: every
         # request then verified (and rejected) that many filler tokens a step, for as long as the long one ran (graft,
-        # 32: 4.7x slower offline at 16 requests in bf16). A tree verifier cuts each request's tree to what it can still commit
-        # (committable_depths), so it always drafts. (vLLM issues #34734, #52756: the zeros are scheduled as drafts.)
+        # 32: 4.7x slower offline at 16 requests in bf16). A tree verifier cuts each request's tree to what it can
+        # still commit (committable_depths), so it always drafts. (vLLM issues #34734, #52756: the zeros are
+        # scheduled as drafts.)
         if _verifier(self) is None or common_attn_metadata is None:
             return original(self, common_attn_metadata)
         return True
