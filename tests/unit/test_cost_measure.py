@@ -145,7 +145,10 @@ def test_default_points_respect_the_runner_limits():
 
 
 def test_relative_errors_and_cli_output(tmp_path):
-    from vllm_treespec.tools.cost_model import format_held_out, format_table, parse_points, plot
+    from vllm_treespec.tools.cost_model import build_parser, format_held_out, format_table, parse_points, plot
+
+    assert not build_parser().parse_args(["--plot", ""]).plot  # no plot (not one written to a file named ".png")
+    assert build_parser().parse_args([]).plot == "cost_model.png"
 
     assert parse_points("3, 6,12x1,24x8") == [(3, 1), (6, 1), (12, 1), (24, 8)]
     samples = [StepSample(t, 1, 0.05 + 0.001 * t) for t in (1, 2, 4, 8, 16)] + [StepSample(8, 4, 0.07)]

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-len", type=int, default=256, help="context length of the timed requests")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds the timed rounds may take")
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--plot", type=Path, default=Path("cost_model.png"), help="plot file ('' for none)")
+    # a str, not a Path: Path("") is "." and the plot would be written to a file named ".png"
+    parser.add_argument("--plot", default="cost_model.png", help="plot file ('' for none)")
     parser.add_argument("--json", type=Path, default=None, help="also write the measurement as JSON here")
     parser.add_argument("--no-cache", action="store_true",
                         help="do not write the engine's cost-model cache (tree-method engines load it at start-up)")
@@ -156,8 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = CostCache().save(record)
         if path is not None:
             print(f"cost-model cache: {path}")
-    if args.plot and str(args.plot):
-        print(f"plot: {plot(model, record.samples, held_out, args.plot, f'{Path(key.model).name} {key.dtype}, {key.device}')}")
+    if args.plot:
+        title = f"{Path(key.model).name} {key.dtype}, {key.device}"
+        print(f"plot: {plot(model, record.samples, held_out, Path(args.plot), title)}")
     if args.json:
         args.json.write_bytes(msgspec.json.encode({**msgspec.to_builtins(record), "held_out": held_out,
                                                    "sweep_seconds": seconds, "max_held_out_error": worst}))
