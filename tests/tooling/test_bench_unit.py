@@ -28,6 +28,21 @@ def test_parse_methods_adds_the_baseline():
     assert [s.label for s in bench.parse_methods("suffix_tree")] == ["none", "suffix_tree"]
 
 
+def test_a_second_baseline_is_paired_with_the_first():
+    """``none;none_b=none;graft`` (the README's noise floor): both baselines run first, and the second is paired
+    with ``none`` per round like any method."""
+    from vllm_treespec.tools.bench_serve import add_ratios, merge_rounds
+
+    specs = bench.parse_methods("graft;none;none_b=none")
+    assert [(s.label, s.speculative_config()) for s in specs] == [("none", None), ("none_b", None),
+                                                                   ("graft", {"method": "graft"})]
+    none = merge_rounds([_serve_entry("none", {"8": rate}, i) for i, rate in enumerate((50.0, 40.0, 60.0))])
+    none_b = merge_rounds([_serve_entry("none_b", {"8": rate}, i) for i, rate in enumerate((55.0, 40.0, 54.0))])
+    add_ratios([none, none_b])
+    assert none_b["levels"]["8"]["rounds_vs_none"] == pytest.approx([1.1, 1.0, 0.9])
+    assert none_b["levels"]["8"]["vs_none_paired"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("text,needle", [
     ('suffix_tree:{"max_depth": }', "not valid JSON"),
     ("suffix_tree:[1, 2]", "must be a JSON object"),
