@@ -33,7 +33,8 @@ import subprocess
 import sys
 import time
 
-#: (module, class, method) of the functions timed; missing ones are skipped (a method without a tree verifier)
+#: (module, class, method) of the functions timed; missing ones are skipped (a method without a tree verifier). A
+#: module-level function is timed as the module that calls it imported it: (that module, None, name)
 TIMED = (
     ("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
@@ -73,6 +74,28 @@ TIMED = (
     ("vllm_treespec.verify.calibration", "AcceptanceTracker", "handed"),
     ("vllm_treespec.cost.budget", "StepBudget", "admit"),
     ("vllm_treespec.cost.budget", "StepBudget", "step_finished"),
+    ("vllm_treespec.verify.calibration", "AcceptanceCalibration", "_rate"),
+    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_retrieval_draft"),
+    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_most_confident"),
+    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_grafts"),
+    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_model_drafts"),
+    ("vllm_treespec.proposers.graft.proposer", None, "assemble_tree"),
+    ("vllm_treespec.cost.budget", None, "allocate"),
+    ("vllm_treespec.cost.allocate", "DraftGate", "record"),
+    ("vllm_treespec.cost.allocate", "DraftGate", "should_draft"),
+    ("vllm_treespec.verify.verifier", None, "flatten_trees"),
+    ("vllm_treespec.verify.verifier", None, "committable_depths"),
+    ("vllm_treespec.verify.verifier", None, "build_batch"),
+    ("vllm_treespec.verify.verifier", "TreeVerifier", "_compact"),
+    ("vllm_treespec.verify.verifier", None, "accept"),
+    ("vllm_treespec.verify.verifier", None, "verification_results"),
+    ("vllm_treespec.proposers.graft.sources", "RetrievalSources", "after_path"),
+    ("vllm_treespec.retrieval.store", "SuffixRetriever", "retrieve"),
+    ("vllm_treespec.retrieval.ngram", "NgramRetriever", "retrieve"),
+    ("vllm_treespec.verify.verifier", None, "target_topk"),
+    ("vllm_treespec.verify.verifier", None, "read_logits"),
+    ("vllm_treespec.verify.verifier", None, "argmax_rows"),
+    ("vllm_treespec.verify.verifier", None, "chains_the_verifier_accepts"),
 )
 
 
@@ -81,13 +104,14 @@ def install_timers(totals: dict[str, float], calls: collections.Counter, forward
 
     for module_name, class_name, name in TIMED:
         try:
-            owner = getattr(importlib.import_module(module_name), class_name)
+            module = importlib.import_module(module_name)
+            owner = module if class_name is None else getattr(module, class_name)
         except (ImportError, AttributeError):
             continue
-        original = owner.__dict__.get(name)
+        original = owner.__dict__.get(name) if class_name is not None else getattr(owner, name, None)
         if original is None:
             continue
-        key = f"{class_name}.{name}"
+        key = f"{class_name or module_name.rsplit('.', 1)[-1]}.{name}"
 
         def timed(*args, __original=original, __key=key, **kwargs):
             started = time.perf_counter()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_treespec.api import DraftTree
-from vllm_treespec.cost.allocate import DraftGate, allocate, is_ancestor_closed, path_probs, trim
+from vllm_treespec.cost.allocate import DraftGate, allocate, is_ancestor_closed, path_probs, path_products, trim
 from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
 
 
@@ -66,6 +66,15 @@ def test_path_probs_multiply_along_the_path_and_never_increase():
         assert np.all(pp[r.parents >= 0] <= pp[r.parents[r.parents >= 0]])
     with pytest.raises(ValueError):
         path_probs(DraftTree.chain([1, 2]))
+    # every factor clipped to [0, 1] (NaN = 0), and the products exactly the float64 ones, whatever the dtypes
+    parents = np.array([-1, 0, 1, -1, 3, 4], np.int32)
+    probs = np.array([0.3, float("inf"), -0.5, 0.7, 0.1, 0.9], np.float32)
+    assert path_products(parents, probs).tolist() == [float(np.float32(0.3)), float(np.float32(0.3)), 0.0,
+                                                       float(np.float32(0.7)),
+                                                       float(np.float32(0.7)) * float(np.float32(0.1)),
+                                                       float(np.float32(0.7)) * float(np.float32(0.1))
+                                                       * float(np.float32(0.9))]
+    assert path_products(np.zeros(0, np.int64), np.zeros(0)).shape == (0,)
 
 
 def test_flat_curve_admits_the_full_budget():

@@ -228,3 +228,48 @@ def test_classes_of_a_split_source_start_from_their_family():
     # pooled over depths (depth None) and per node sources
     both = cal(np.array([0, 2]), np.array([1.0, 1.0]))
     assert both[0] < 0.35 < 0.8 < both[1]
+
+
+def reference_rate(cal: AcceptanceCalibration, source: int, raw: float, depth: int | None, capped: bool) -> float:
+    """One node's rate by the documented estimate, written out from the counts (no cached sums)."""
+    m = ACCEPTANCE_PRIOR_TRIALS
+    raw = min(max(raw, 0.0), 1.0)
+    b = min(int(raw * 10), 9)
+    trials = cal.depth_trials.sum(axis=1) if depth is None else cal.depth_trials[:, min(max(depth, 1), 3) - 1]
+    accepts = cal.depth_accepts.sum(axis=1) if depth is None else cal.depth_accepts[:, min(max(depth, 1), 3) - 1]
+    source_trials, source_accepts = float(trials[source].sum()), float(accepts[source].sum())
+    prior = (source_accepts + m * raw) / (source_trials + m)
+    ceiling = (source_accepts + 1.0) / (source_trials + 2.0)
+    family_name = cal.names[source].split("@")[0]
+    if "@" in cal.names[source]:
+        members = [i for i, name in enumerate(cal.names) if name.split("@")[0] == family_name]
+        family_trials, family_accepts = float(trials[members].sum()), float(accepts[members].sum())
+        family = (family_accepts + m * raw) / (family_trials + m)
+        family_ceiling = (family_accepts + 1.0) / (family_trials + 2.0)
+        prior = (source_accepts + m * family) / (source_trials + m)
+        ceiling = (source_accepts + m * family_ceiling) / (source_trials + m)
+    if capped:
+        prior = min(prior, ceiling)
+    return min((float(accepts[source, b]) + m * prior) / (float(trials[source, b]) + m), 1.0)
+
+
+def test_rates_are_exactly_the_documented_estimate_between_and_after_observations():
+    """The rates come from sums of the counts kept until the next observation (graft calibrates several trees a
+    step): every rate, split sources and pooled depths included, equals the estimate written out from the counts,
+    bit for bit, however the observations interleave with the calls."""
+    cal = AcceptanceCalibration(["suffix@1", "suffix@2", "suffix@8", "successor", "model"])
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        n = int(rng.integers(1, 60))
+        cal.observe(rng.integers(0, 5, n), rng.random(n), rng.random(n) < 0.4, rng.integers(1, 6, n))
+        sources, raw, depth = rng.integers(0, 5, 40), rng.random(40), rng.integers(1, 6, 40)
+        raw[:3] = [0.0, 1.0, 0.999]
+        for capped in (False, True):
+            rates = cal._rate(sources, raw, depth, capped)
+            assert rates.tolist() == [reference_rate(cal, int(s), float(r), int(d), capped)
+                                      for s, r, d in zip(sources, raw, depth)]
+            pooled = cal._rate(sources, raw, None, capped)
+            assert pooled.tolist() == [reference_rate(cal, int(s), float(r), None, capped)
+                                       for s, r in zip(sources, raw)]
+        one = cal(2, raw, depth)  # one source for every node
+        assert one.tolist() == [reference_rate(cal, 2, float(r), int(d), False) for r, d in zip(raw, depth)]

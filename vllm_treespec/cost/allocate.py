@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
+from numba import njit
 
 from vllm_treespec.api import DraftTree
 
@@ -58,10 +59,18 @@ def path_probs(tree: DraftTree) -> np.ndarray:
 def path_products(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     """Per node (topological order), the product of ``probs`` along its path from the root, each factor clipped to
     [0, 1] (NaN = 0)."""
-    q = np.clip(np.nan_to_num(np.asarray(probs, np.float64), nan=0.0), 0.0, 1.0)
-    out = np.empty_like(q)
-    for i, p in enumerate(np.asarray(parents).tolist()):
-        out[i] = q[i] if p < 0 else out[p] * q[i]
+    # fresh C arrays of fixed types: one compiled kernel for every caller
+    return _path_products(np.require(parents, np.int64, ("C", "W")), np.require(probs, np.float64, ("C", "W")))
+
+
+@njit(cache=True)
+def _path_products(parents, probs):
+    """:func:`path_products` node by node (a NumPy element loop cost ~30 us a 32-node tree, several times a step)."""
+    out = np.empty(probs.shape[0])
+    for i in range(probs.shape[0]):
+        q = probs[i]
+        q = 0.0 if np.isnan(q) else min(max(q, 0.0), 1.0)
+        out[i] = q if parents[i] < 0 else out[parents[i]] * q
     return out
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from numba import njit
 
 from vllm_treespec.api import DraftTree
 from vllm_treespec.cost.allocate import path_products
@@ -54,6 +55,42 @@ def depth_class(depths: np.ndarray) -> np.ndarray:
     return np.clip(np.asarray(depths, np.int64), 1, DEPTH_CLASSES) - 1
 
 
+def _kernel_array(values: Any, dtype: type, shape: tuple) -> np.ndarray:
+    """``values`` broadcast to ``shape``, flat, as a writable C array of ``dtype`` (one compiled kernel for all)."""
+    array = np.asarray(values, dtype)
+    if array.shape != shape:
+        array = np.broadcast_to(array, shape)
+    return np.require(array, dtype, ("C", "W")).reshape(-1)
+
+
+@njit(cache=True)
+def _rates(trials, accepts, source_trials, source_accepts, family_trials, family_accepts, split, sources, raw,
+           depths, pooled, capped, m):
+    """:meth:`AcceptanceCalibration._rate` node by node (``pooled``: over all depths, else by ``depths``' class):
+    graft calibrates several small trees a step, and the same arithmetic as NumPy array operations took ~100 us a
+    call, mostly per-operation overhead."""
+    num_bins = trials.shape[2]
+    num_classes = trials.shape[1] - 1  # the last depth index pools every depth
+    out = np.empty(raw.shape[0])
+    for i in range(raw.shape[0]):
+        r = raw[i]
+        r = 0.0 if np.isnan(r) else min(max(r, 0.0), 1.0)
+        b = min(int(r * num_bins), num_bins - 1)
+        s = sources[i]
+        d = num_classes if pooled else min(max(depths[i], 1), num_classes) - 1
+        s_trials, s_accepts = source_trials[s, d], source_accepts[s, d]
+        prior = (s_accepts + m * r) / (s_trials + m)
+        ceiling = (s_accepts + 1.0) / (s_trials + 2.0)
+        if split[s]:  # a class's prior: its family's estimate, in place of the raw number and of 1/2
+            f_trials, f_accepts = family_trials[s, d], family_accepts[s, d]
+            prior = (s_accepts + m * ((f_accepts + m * r) / (f_trials + m))) / (s_trials + m)
+            ceiling = (s_accepts + m * ((f_accepts + 1.0) / (f_trials + 2.0))) / (s_trials + m)
+        if capped and ceiling < prior:
+            prior = ceiling
+        out[i] = min((accepts[s, d, b] + m * prior) / (trials[s, d, b] + m), 1.0)
+    return out
+
+
 class AcceptanceCalibration:
     """How often the target accepts a tree node, by source, by the node's depth class and by its raw confidence (its
     source's probability of the token given the parent's path), counted over the nodes whose parent was accepted.
@@ -76,6 +113,8 @@ class AcceptanceCalibration:
         self._family = np.array([[a == b for b in families] for a in families], np.float64).reshape(
             len(families), len(families))
         self._split = np.array([FAMILY_SEPARATOR in name for name in self.names], bool)
+        self._tables: tuple[np.ndarray, ...] | None = None  # the counts' sums, until the next observe
+
 
     @property
     def trials(self) -> np.ndarray:
@@ -109,44 +148,25 @@ class AcceptanceCalibration:
 
     def _rate(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray | None, capped: bool
               ) -> np.ndarray:
-        raw = np.clip(np.nan_to_num(np.asarray(raw, np.float64)), 0.0, 1.0)
-        b = self.bins(raw)
-        if depth is None:
-            trials, accepts = self.trials[source], self.accepts[source]
-        else:
-            d = depth_class(depth)
-            trials, accepts = self.depth_trials[source, d], self.depth_accepts[source, d]
-        trials, accepts = np.broadcast_to(trials, raw.shape + (ACCEPTANCE_BINS,)), np.broadcast_to(
-            accepts, raw.shape + (ACCEPTANCE_BINS,))
-        m = ACCEPTANCE_PRIOR_TRIALS
-        source_trials, source_accepts = trials.sum(-1), accepts.sum(-1)
-        prior = (source_accepts + m * raw) / (source_trials + m)
-        ceiling = (source_accepts + 1.0) / (source_trials + 2.0)
-        split = self._split[source]
-        if np.any(split):  # a class's prior: its family's estimate, in place of the raw number and of 1/2
-            family_trials, family_accepts = self._family_totals(source, depth, raw.shape)
-            family = (family_accepts + m * raw) / (family_trials + m)
-            family_ceiling = (family_accepts + 1.0) / (family_trials + 2.0)
-            prior = np.where(split, (source_accepts + m * family) / (source_trials + m), prior)
-            ceiling = np.where(split, (source_accepts + m * family_ceiling) / (source_trials + m), ceiling)
-        if capped:
-            prior = np.minimum(prior, ceiling)
-        t_bin = np.take_along_axis(trials, b[..., None], -1)[..., 0]
-        a_bin = np.take_along_axis(accepts, b[..., None], -1)[..., 0]
-        return np.minimum((a_bin + m * prior) / (t_bin + m), 1.0)
+        raw = np.asarray(raw, np.float64)
+        shape = raw.shape
+        depths = _kernel_array(0 if depth is None else depth, np.int64, shape)
+        return _rates(*self._sums(), self._split, _kernel_array(source, np.int64, shape),
+                      _kernel_array(raw, np.float64, shape), depths, depth is None, bool(capped),
+                      ACCEPTANCE_PRIOR_TRIALS).reshape(shape)
 
-    def _family_totals(self, source: int | np.ndarray, depth: np.ndarray | None, shape: tuple
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Trials and accepts of each node's source family (at its depth class, or over all depths)."""
-        trials, accepts = self.depth_trials.sum(-1), self.depth_accepts.sum(-1)  # sources x depth classes
-        if depth is None:
-            trials, accepts = trials.sum(-1, keepdims=True), accepts.sum(-1, keepdims=True)
-            d = np.zeros(shape, np.int64)
-        else:
-            d = np.broadcast_to(depth_class(depth), shape)
-        family_trials, family_accepts = self._family @ trials, self._family @ accepts
-        source = np.broadcast_to(source, shape)
-        return family_trials[source, d], family_accepts[source, d]
+    def _sums(self) -> tuple[np.ndarray, ...]:
+        """Counts by source x depth index x bin (depth index :data:`DEPTH_CLASSES`: all depths), and their sums over
+        bins by source x depth index, of each source and of its family. Kept until the next :meth:`observe`: graft
+        calibrates several trees a step, and re-summing the counts for each cost more than the rates. (The counts
+        are whole numbers, so the sums are exact in any order.)"""
+        if self._tables is None:
+            trials = np.concatenate([self.depth_trials, self.depth_trials.sum(axis=1, keepdims=True)], axis=1)
+            accepts = np.concatenate([self.depth_accepts, self.depth_accepts.sum(axis=1, keepdims=True)], axis=1)
+            source_trials, source_accepts = trials.sum(-1), accepts.sum(-1)
+            self._tables = (trials, accepts, source_trials, source_accepts, self._family @ source_trials,
+                            self._family @ source_accepts)
+        return self._tables
 
     def observe(self, sources: np.ndarray, raw: np.ndarray, accepted: np.ndarray,
                 depth: np.ndarray | None = None) -> None:
@@ -156,6 +176,7 @@ class AcceptanceCalibration:
         d = depth_class(np.ones(b.shape, np.int64) if depth is None else depth)
         np.add.at(self.depth_trials, (sources, d, b), 1.0)
         np.add.at(self.depth_accepts, (sources, d, b), np.asarray(accepted, np.float64))
+        self._tables = None
 
     def observe_verified(self, results: Sequence[Any], last_trees: dict[str, Any]) -> None:
         """Count each verified tree's nodes whose parent was accepted (the target reached them) by source, from
@@ -253,6 +274,9 @@ class AcceptanceTracker:
         self._scheduled: dict[str, _Handed] = {}
         self.expectation = ExpectationCorrection()
         self.stats = {"learned_trees": 0, "learned_nodes": 0}
+        # the kernels compile (or load from numba's cache) here, at start-up, not inside the first request
+        self.calibration.capped(0, np.zeros(1), np.ones(1, np.int64))
+        path_products(np.array([-1]), np.ones(1))
 
     def _sources_of(self, tree: DraftTree) -> np.ndarray:
         if tree.node_sources is None:
