@@ -75,9 +75,9 @@ def _rates(trials, accepts, source_trials, source_accepts, family_trials, family
     for i in range(raw.shape[0]):
         r = raw[i]
         r = 0.0 if np.isnan(r) else min(max(r, 0.0), 1.0)
-        b = min(int(r * num_bins), num_bins - 1)
+        b = min(int(r * num_bins), num_bins - 1)  # AcceptanceCalibration.bins, per node
         s = sources[i]
-        d = num_classes if pooled else min(max(depths[i], 1), num_classes) - 1
+        d = num_classes if pooled else min(max(depths[i], 1), num_classes) - 1  # depth_class, per node
         s_trials, s_accepts = source_trials[s, d], source_accepts[s, d]
         prior = (s_accepts + m * r) / (s_trials + m)
         ceiling = (s_accepts + 1.0) / (s_trials + 2.0)
@@ -115,7 +115,6 @@ class AcceptanceCalibration:
         self._split = np.array([FAMILY_SEPARATOR in name for name in self.names], bool)
         self._tables: tuple[np.ndarray, ...] | None = None  # the counts' sums, until the next observe
 
-
     @property
     def trials(self) -> np.ndarray:
         return self.depth_trials.sum(axis=1)
@@ -150,7 +149,7 @@ class AcceptanceCalibration:
               ) -> np.ndarray:
         raw = np.asarray(raw, np.float64)
         shape = raw.shape
-        depths = _kernel_array(0 if depth is None else depth, np.int64, shape)
+        depths = np.zeros(0, np.int64) if depth is None else _kernel_array(depth, np.int64, shape)  # none: pooled
         return _rates(*self._sums(), self._split, _kernel_array(source, np.int64, shape),
                       _kernel_array(raw, np.float64, shape), depths, depth is None, bool(capped),
                       ACCEPTANCE_PRIOR_TRIALS).reshape(shape)
