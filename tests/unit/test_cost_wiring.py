@@ -403,3 +403,52 @@ def test_a_never_drafting_verifier_only_observes(monkeypatch):
     monkeypatch.delenv(NEVER_DRAFT_ENV)
     drafting = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
     assert drafting.propose([[9], [3], [6]])[0]  # the same verifier without it drafts
+
+
+class Previewing(FakeProposer):
+    """A proposer with a cheap preview of its trees (graft's suffix-automaton continuations)."""
+
+    def __init__(self, trees, previews):
+        super().__init__(trees)
+        self.previews = previews
+        self.previewed = 0
+
+    def preview_trees(self, ctx):
+        self.previewed += 1
+        return [self.previews.get(r) for r in ctx.req_ids]
+
+
+def test_a_preview_that_pays_drafts_a_step_the_gates_average_would_skip():
+    """The gate's average over recent trees hides a step whose retrieval matched: where the proposer's preview of
+    this step's trees pays by itself for the call and the verification, the step drafts (not as a probe); a preview
+    that does not pay leaves the step plain, and the proposer only observes it."""
+    # every token costs 20 ms over a 50 ms step: a node pays above path probability 0.4
+    copy = DraftTree(np.array([30, 31, 32]), np.array([-1, 0, 1], np.int32), np.array([0.95, 0.95, 0.95], np.float32),
+                     np.full(3, -1, np.int32))
+    guess = DraftTree(np.array([30]), np.array([-1], np.int32), np.array([0.2], np.float32), np.full(1, -1, np.int32))
+    verifier = verifier_with(lambda t: 0.05 + 0.02 * (t - 1), {"a": SCORED})
+    verifier.proposer = Previewing({"a": SCORED}, {"a": guess})
+    budget = verifier.budget
+    budget.gate.marginal = np.array([0.0])  # drafting has not paid lately: the gate skips (no probe is due)
+    assert verifier.propose([[9], [3], [6]]) == [[], [], []]
+    assert verifier.proposer.previewed == 1 and len(verifier.proposer.observed) == 1 and not verifier.proposer.contexts
+    verifier.proposer.previews = {"a": copy}
+    assert verifier.propose([[9], [3], [6]])[0] == [10, 12]  # the whole tree, priced as usual
+    assert len(verifier.proposer.contexts) == 1 and not verifier.proposer.contexts[0].probing
+    assert budget.stats["preview_drafts"] == 1 and budget.stats["skipped_drafts"] == 1
+    # the drafter's measured call is part of the price: at 150 ms a call, the copy's 2.6 tokens do not pay
+    budget.drafted(3, 1.0)  # a first call (compiling) is not counted
+    budget.drafted(3, 0.15)
+    budget.gate.marginal = np.array([0.0])
+    assert verifier.propose([[9], [3], [6]]) == [[], [], []] and budget.stats["preview_drafts"] == 1
+
+
+def test_a_preview_is_not_asked_for_on_a_plain_sample_step(monkeypatch):
+    """A step the budget runs plain to measure the plain step stays plain, whatever the preview."""
+    copy = DraftTree(np.array([30, 31]), np.array([-1, 0], np.int32), np.array([0.95, 0.95], np.float32),
+                     np.full(2, -1, np.int32))
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    verifier.proposer = Previewing({"a": SCORED}, {"a": copy})
+    monkeypatch.setattr(verifier.budget, "needs_plain_sample", lambda plain_tokens: True)
+    assert verifier.propose([[9], [3], [6]]) == [[], [], []]
+    assert verifier.proposer.previewed == 0 and not verifier.proposer.contexts
