@@ -315,15 +315,6 @@ class TreeProposer:
         would not pay for their verification): keep per-request state that follows every committed token current
         (a draft head's own KV cache), so that drafts are as good when drafting resumes. Default: nothing."""
 
-    def preview_trees(self, ctx: ProposeContext) -> list[DraftTree | None] | None:
-        """Called on a step the verifier's budget would not draft because its recent trees do not pay on average,
-        before :meth:`observe`: a cheap part of what :meth:`propose_trees` would draft this step (one tree per row,
-        with ``node_probs`` and ``node_sources``, at a small share of the call's cost; graft: its suffix automata's
-        continuations). If the preview alone pays for the whole call and its verification, the verifier calls
-        :meth:`propose_trees` after all. A retrieval match then pays on the step it appears: the average over
-        mostly matchless steps hides it. None (default): no preview."""
-        return None
-
     def use_acceptance(self, calibration: Any) -> None:
         """Called by the verifier with the acceptance calibration it learns online for this proposer
         (:class:`vllm_treespec.verify.calibration.AcceptanceCalibration`: ``calibration(source_id, raw)`` -> rates),

@@ -86,11 +86,6 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: (``scripts/replay_matches.py``), but with four rate tables to learn per source instead of one it gained no
     #: tok/s at batch 1 (docs/benchmarks.md), so it is off unless asked
     calibrate_by_match_length: bool = False
-    #: on a step the verifier's budget would skip (graft's recent trees do not pay on average), preview each
-    #: request's suffix-automaton continuation (tens of microseconds) and draft after all when that alone pays for
-    #: graft's call and its verification: a copy from the prompt is verified on the step it starts, not at the next
-    #: probe. False = the budget's average and probes alone decide
-    preview_matches: bool = True
     #: shrink the per-request budget as the batch grows (under the step budget, ``cost_budget``, the verifier's
     #: allocation does this for every method; graft's own rule then applies only with knee_tokens or a calibration
     #: file's table)

@@ -171,27 +171,6 @@ class GraftProposer(TreeProposer):
         if self.drafter is not None:
             self.drafter.observe(ctx)
 
-    def preview_trees(self, ctx: ProposeContext) -> list[DraftTree | None] | None:
-        """Each drafting request's suffix-automaton continuation, scored as :meth:`propose_trees` would score it (the
-        retrieval's raw numbers, under the suffix source's id): a long match's copy pays for the whole call."""
-        suffix = self.sources.suffix
-        if not self.options.preview_matches or suffix is None:
-            return None
-        budget = self.budget(ctx)
-        if budget <= 0:
-            return None
-        trees: list[DraftTree | None] = [None] * ctx.num_reqs
-        for i in range(ctx.num_reqs):
-            if not ctx.needs_draft(i):
-                continue
-            prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
-            found = suffix.retrieve(ctx.req_ids[i], ctx.committed(i), budget, prompt_len=prompt_len)
-            if found.num_nodes:
-                source = self._source_id("suffix", found.match_len)
-                trees[i] = DraftTree(found.token_ids, found.parents, np.asarray(found.probs, np.float32),
-                                     np.full(found.num_nodes, source, np.int32))
-        return trees
-
     def retrieval_alternatives(self, use_drafter: bool) -> bool:
         """Whether this head step also assembles the tree each request would get without the head (never verified),
         for the retrieval gate: on the first head step and every ``probe_every``-th of a streak."""

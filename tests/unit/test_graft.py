@@ -761,26 +761,3 @@ def test_retrieved_nodes_can_be_learnt_by_match_length():
     assert rates[0] < 0.5 < rates[1]
     pooled = proposer(sources=("suffix", "successor"))  # the default: one rate table per source
     assert pooled.acceptance_sources == ("suffix", "successor", MODEL_SOURCE)
-
-
-def test_preview_is_each_requests_suffix_continuation_under_the_suffix_source():
-    """graft's preview (asked for on a step the verifier's budget would skip) is the suffix automaton's continuation
-    of each drafting request, raw numbers under the suffix source's id (by match length when graft learns them
-    apart); partial prefills get none, and ``preview_matches: false`` turns it off."""
-    passage = list(range(1, 11))
-    contexts = [passage + [20] + passage[:3], [7, 8], [9, 9, 9]]
-    ctx = make_ctx(contexts, sampled=[[3], [], [9]])
-    p = proposer(budget=8, adaptive_budget=False)
-    copy, prefill, repeat = p.preview_trees(ctx)
-    assert prefill is None
-    assert copy.token_ids[:4].tolist() == [4, 5, 6, 7] and copy.parents[:4].tolist() == [-1, 0, 1, 2]
-    assert copy.num_nodes <= 8 and np.all(copy.node_sources == p.acceptance_sources.index("suffix"))
-    assert repeat.token_ids[0] == 9
-    # the whole tree graft drafts on that step contains the previewed copy
-    tree = p.propose_trees(ctx)[0]
-    paths = {tuple(tree.token_ids[tree.path_to(n)].tolist()) for n in range(tree.num_nodes)}
-    assert (4, 5, 6, 7) in paths
-    by_length = proposer(budget=8, adaptive_budget=False, calibrate_by_match_length=True)
-    copy = by_length.preview_trees(make_ctx(contexts[:1]))[0]
-    assert np.all(copy.node_sources == by_length.acceptance_sources.index(match_class_sources("suffix")[match_class(3)]))
-    assert proposer(budget=8, preview_matches=False).preview_trees(ctx) is None

@@ -106,8 +106,7 @@ class StepBudget:
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
-                      "probes": 0, "observed_steps": 0, "plain_samples": 0, "preview_drafts": 0}
-        self._priced_skip = False  # the last should_draft declined on price (not to measure a plain step)
+                      "probes": 0, "observed_steps": 0, "plain_samples": 0}
         self.trace = BudgetTrace.from_env()
 
     @classmethod
@@ -154,7 +153,6 @@ class StepBudget:
         """``row_excess``: :meth:`StepTime.row_excess` of the drafting requests (None: at the curve's context);
         ``step_reqs``: the requests of the step (default ``num_reqs``), whose plain step must be measured
         (:meth:`needs_plain_sample`) before drafts are priced against it."""
-        self._priced_skip = False
         if self.needs_plain_sample(num_reqs if step_reqs is None else step_reqs):
             self.stats["plain_samples"] += 1
             if self.trace is not None:
@@ -164,38 +162,12 @@ class StepBudget:
         draft = self.gate.should_draft(num_reqs, self.max_nodes,
                                        row_excess=None if row_excess is None else float(np.mean(row_excess)))
         self.stats["skipped_drafts"] += not draft
-        self._priced_skip = not draft
         if self.trace is not None:
             rates = self.gate.last_rates
             self.trace.plan(gate="probe" if self.gate.probing else "draft" if draft else "skip",
                             **({"best": rates[0], "plain": rates[1]} if rates is not None else {}),
                             surplus_ms=self.gate.surplus * 1e3)
         return draft
-
-    @property
-    def skipped_on_price(self) -> bool:
-        """The last :meth:`should_draft` declined because the recent trees do not pay (not to measure a plain step)."""
-        return self._priced_skip
-
-    def preview_pays(self, trees: Sequence[DraftTree | None], row_excess: np.ndarray | None = None) -> bool:
-        """After :meth:`should_draft` declined on price: whether this step's preview trees (calibrated; one per
-        drafting request) pay by themselves for the drafter's measured call, the tree work and their verification,
-        priced as :meth:`admit` prices the whole trees. Then the step drafts after all (not a probe: its trees are
-        priced as usual)."""
-        if not self.skipped_on_price:
-            return False
-        self._priced_skip = False
-        drafter = self.drafter_cost.predict(len(trees)) or 0.0
-        allocation = allocate(trees, self.step_time, per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
-                              overhead=self.tree_work.seconds + drafter, min_gain=self.min_gain,
-                              row_excess=row_excess)
-        if not allocation.total_nodes:
-            return False
-        self.stats["preview_drafts"] += 1
-        self.stats["skipped_drafts"] -= 1
-        if self.trace is not None:
-            self.trace.plan(gate="preview", preview_nodes=allocation.total_nodes)
-        return True
 
     def verified(self, accepted: int | None) -> None:
         """The drafts the last step accepted (None: it verified none): the gate learns what its allocation saved."""

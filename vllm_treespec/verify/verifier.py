@@ -183,8 +183,7 @@ class TreeVerifier:
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         drafting = len(rows)
         if self.never_draft or (budget is not None and drafting and not budget.should_draft(
-                drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs)
-                and not self._preview_pays(ctx, rows, row_excess)):
+                drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs)):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
@@ -196,20 +195,6 @@ class TreeVerifier:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
                                f"for {ctx.num_reqs} requests")
         return trees, drafting  # propose() times the call with the work on its trees that follows
-
-    def _preview_pays(self, ctx: ProposeContext, rows: list[int], row_excess: np.ndarray | None) -> bool:
-        """Whether the proposer's preview of this step's trees (:meth:`TreeProposer.preview_trees`), priced as the
-        whole trees will be, pays for drafting although the gate's average did not."""
-        if not self.budget.skipped_on_price:  # a plain step run to measure one stays plain
-            return False
-        previews = self.proposer.preview_trees(ctx)
-        if previews is None:
-            return False
-        trees = [previews[i] for i in rows]
-        if not any(t is not None and t.num_nodes and t.node_probs is not None for t in trees):
-            return False
-        return self.budget.preview_pays(self.acceptance.calibrate(trees),
-                                        None if row_excess is None else row_excess[rows])
 
     def _probe_rows(self, rows: list[int], count: int, num_reqs: int) -> np.ndarray:
         """A mask of ``count`` of ``rows``, taken in turn from one probe to the next (every request is probed)."""
