@@ -4,6 +4,7 @@ corrupt or foreign file is ignored with one log line)."""
 from __future__ import annotations
 
 import logging
+import math
 
 import msgspec
 import numpy as np
@@ -139,6 +140,25 @@ def test_online_refinement_follows_a_shifted_curve():
     before = model.predict(17)
     model.observe(17, 1, 1000.0)
     assert model.predict(17) < before * 1.2
+
+
+def test_the_correction_applies_where_its_buckets_steps_are():
+    """A batch-1 step verifying 5 drafts has 6 tokens, in the 8-token bucket: its correction applies at 6 tokens
+    (the bucket's mean log2 of tokens), not at 8, so steps rarely reaching the 4-token bucket do not pull the
+    prediction at 6 tokens toward theirs (a knot at 8 tokens left it 12% low on a held-out run)."""
+    model = StepCostModel.fit(samples_of(cpu_like))
+    for _ in range(3):
+        model.observe(4, 1, float(cpu_like(4)), drafts=3)  # a few early steps at 4 tokens, as the sweep saw
+    for _ in range(100):
+        model.observe(6, 1, 1.15 * float(cpu_like(6)), drafts=5)
+    assert model.predict(6, plain_tokens=1) == pytest.approx(1.15 * float(model.base(6)), rel=1e-3)
+    correction = model.draft_correction
+    assert correction.factor(6) == pytest.approx(correction.buckets[3], rel=1e-12)
+    assert correction.buckets[2] < correction.factor(5) < correction.buckets[3]  # between the knots at 4 and 6
+    assert correction.factor(8) == pytest.approx(correction.buckets[3], rel=1e-12)  # flat beyond the last knot
+    for _ in range(100):
+        model.observe(7, 1, 1.15 * float(cpu_like(7)), drafts=6)
+    assert math.log2(6) < correction._knot(3) < math.log2(7)  # the knot follows the bucket's steps
 
 
 def test_plain_steps_and_verifying_steps_learn_apart():

@@ -148,8 +148,11 @@ class OnlineCorrection:
 
     Each observation updates the bucket ``round(log2(x))`` with an exponentially weighted mean of the log ratio,
     clipped to within ``max_ratio`` of the bucket's current value (bias-corrected, with a prior worth one
-    observation of ratio 1, so one step cannot swing a bucket fully, while a lasting change of any size is followed);
-    :meth:`factor` interpolates the buckets seen so far in log2(x) and is flat beyond them (1 before any observation).
+    observation of ratio 1, so one step cannot swing a bucket fully, while a lasting change of any size is followed),
+    and of log2(x) itself, with the same weights: the bucket's knot. :meth:`factor` interpolates the knots in log2(x)
+    and is flat beyond them (1 before any observation). A knot sits where its bucket's steps are: a batch-1 step
+    verifying 5 drafts has 6 tokens, and with the knot at 8 tokens its correction was interpolated with the 4-token
+    bucket's, which few steps reach (12% low on a held-out run).
     """
 
     def __init__(self, alpha: float = DEFAULT_ALPHA, max_ratio: float = MAX_OBSERVED_RATIO) -> None:
@@ -159,6 +162,8 @@ class OnlineCorrection:
         self.max_log = math.log(max_ratio)
         self._mean: dict[int, float] = {}
         self._weight: dict[int, float] = {}
+        #: per bucket, the exponentially weighted sum of its observations' log2(x), and of their weights
+        self._position: dict[int, tuple[float, float]] = {}
         self._table: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
@@ -179,6 +184,8 @@ class OnlineCorrection:
         current = self._mean[bucket] / self._weight[bucket] if bucket in self._mean else 0.0
         e = min(max(math.log(ratio), current - self.max_log), current + self.max_log)
         self._mean[bucket] = (1 - a) * self._mean.get(bucket, 0.0) + a * e
+        position, weight = self._position.get(bucket, (0.0, 0.0))
+        self._position[bucket] = ((1 - a) * position + a * math.log2(x), (1 - a) * weight + a)
         self._weight[bucket] = (1 - a) * self._weight.get(bucket, a) + a
         self._table = None
 
@@ -193,14 +200,20 @@ class OnlineCorrection:
             return np.ones_like(x)
         if self._table is None:
             keys = sorted(self._mean)
-            self._table = (np.array(keys, np.float64),
+            self._table = (np.array([self._knot(b) for b in keys], np.float64),
                            np.array([self._mean[b] / self._weight[b] for b in keys], np.float64))
         anchors, logs = self._table
         return np.exp(np.interp(np.log2(np.maximum(x, 1.0)), anchors, logs))
 
+    def _knot(self, bucket: int) -> float:
+        """Where bucket ``bucket``'s correction applies: the weighted mean log2(x) of its observations."""
+        position, weight = self._position[bucket]
+        return position / weight
+
     def reset(self) -> None:
         self._mean.clear()
         self._weight.clear()
+        self._position.clear()
         self._table = None
 
 
