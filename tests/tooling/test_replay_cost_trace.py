@@ -1,0 +1,65 @@
+"""scripts/replay_cost_trace.py on a made-up batch-1 trace: it rebuilds each step's context, finds the cached record
+that made the trace's first prediction, and replays the engine's predict-then-observe loop exactly."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+from script_helpers import load_script
+
+from vllm_treespec.cost.model import FORMAT_VERSION, CostKey, CostRecord, StepSample, context_excess
+
+KEY = CostKey(model="/models/smollm2", dtype="float32", device="AMD EPYC 7B13", vllm_version="0.32.0+cpu",
+              torch_threads=1)
+
+
+def record(scale: float) -> CostRecord:
+    samples = [StepSample(t, 1, scale * (0.04 + 0.002 * t), context_len=c) for t in (1, 2, 4, 8, 16, 32, 64)
+               for c in (0, 2048)]
+    return CostRecord(format_version=FORMAT_VERSION, key=KEY, samples=samples, drafters={}, measured_at=1.0)
+
+
+def traced(rec: CostRecord, slowdown: float) -> list[dict]:
+    """An engine's trace: a 100-token prompt, then steps verifying 5 drafts (2 accepted) and plain steps, each
+    forward ``slowdown`` times the curve, each prediction made as the engine makes it."""
+    model = rec.step_model()
+    lines, length = [], 0
+    for tokens, admitted, accepted in [(100, 0, 0)] + [(6, 5, 2), (1, 0, 0)] * 20:
+        seq_end = tokens if admitted == 0 and tokens > 1 else length + tokens
+        excess = context_excess(tokens, seq_end, model.reference_context)
+        predicted = model.predict(tokens, 1, excess, plain_tokens=tokens - admitted)
+        measured = slowdown * float(model.base(tokens, 1, excess))
+        line = {"reqs": 1, "tokens": tokens, "predicted_ms": predicted * 1e3, "forward_ms": measured * 1e3}
+        if admitted:
+            line.update(admitted=admitted, accepted=accepted)
+        lines.append(line)
+        model.observe(tokens, 1, measured, excess, drafts=admitted)
+        length = seq_end if tokens > 1 and not admitted else length + 1 + accepted
+    return lines
+
+
+def test_the_replay_finds_the_record_and_reproduces_the_engines_predictions(tmp_path):
+    script = load_script("replay_cost_trace")
+    used, other = record(1.0), record(1.5)
+    trace = tmp_path / "budget-graft-r1.jsonl.1"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in traced(used, 1.2)))
+    steps = script.single_request_steps(str(trace))
+    # the prompt; then each step ends at the positions computed so far (+ 1 + accepted per step) plus its rows
+    assert [seq for *_, seq in steps[:5]] == [100, 106, 104, 110, 108]
+    records = {"other": other, "used": used}
+    assert script.record_for(steps, records) is used
+    rows = script.replay(used.step_model(), steps)
+    assert [r for r, *_ in rows] == pytest.approx([t for _, t, *_ in rows], rel=1e-9)
+    plain, verifying, absolute = script.errors([(r, m, v) for r, _, m, v in rows])
+    # the correction follows a 20% slowdown (uncorrected, every prediction would be 1 / 1.2 - 1 = -17% off)
+    assert abs(plain) < 0.05 and abs(verifying) < 0.05 and absolute < 0.1
+
+
+def test_batched_traces_are_skipped(tmp_path):
+    script = load_script("replay_cost_trace")
+    trace = tmp_path / "budget-graft-r1.jsonl.1"
+    trace.write_text(json.dumps({"reqs": 2, "tokens": 2}) + "\n")
+    assert script.single_request_steps(str(trace)) is None
