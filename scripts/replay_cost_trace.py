@@ -8,7 +8,9 @@ the trace (the prompt from the prefill step, then the committed tokens), takes t
 gave the trace's first prediction (before any online correction), and runs this checkout's :class:`StepCostModel`
 over the steps: predict, then observe the measured time, as the engine does. Printed per trace: the median of
 predicted / measured - 1 over plain steps and over steps verifying drafts, and the median absolute error, as traced
-and as replayed; then the medians over traces.
+and as replayed; then the medians over traces. A trace whose record an engine has since re-measured (its start-up
+spot check replaces a cached curve that no longer fits) matches no record and is skipped, so a rerun can cover fewer
+traces than the first.
 
     python scripts/replay_cost_trace.py OUT_DIR/budget-*.jsonl.*
 """
@@ -50,16 +52,26 @@ def single_request_steps(path: str) -> list[tuple[dict, int, int, int]] | None:
     return steps
 
 
-def replay(model: StepCostModel, steps: list[tuple[dict, int, int, int]]) -> list[tuple[float, float | None, float, bool]]:
+def excess_of(model: StepCostModel, tokens: int, seq_end: int) -> float:
+    """The step's context term, as the verifier hands it to the budget (0 where the model prices no context)."""
+    return context_excess(tokens, seq_end, model.reference_context) if model.per_context else 0.0
+
+
+def predicted_ms(model: StepCostModel, tokens: int, drafts: int, seq_end: int) -> float:
+    """The model's prediction of a step, as the budget makes it before the step's forward."""
+    return model.predict(tokens, 1, excess_of(model, tokens, seq_end), plain_tokens=tokens - drafts) * 1e3
+
+
+def replay(model: StepCostModel, steps: list[tuple[dict, int, int, int]]
+           ) -> list[tuple[float, float | None, float, bool]]:
     """(replayed ms, traced ms, measured ms, verifying) per timed step."""
     out = []
     for line, tokens, drafts, seq_end in steps:
-        excess = context_excess(tokens, seq_end, model.reference_context) if model.per_context else 0.0
-        predicted = model.predict(tokens, 1, excess, plain_tokens=tokens - drafts) * 1e3
+        predicted = predicted_ms(model, tokens, drafts, seq_end)
         measured = line.get("forward_ms")
         if measured:
             out.append((predicted, line.get("predicted_ms"), measured, drafts > 0))
-            model.observe(tokens, 1, measured / 1e3, excess, drafts=drafts)
+            model.observe(tokens, 1, measured / 1e3, excess_of(model, tokens, seq_end), drafts=drafts)
     return out
 
 
@@ -69,12 +81,9 @@ def record_for(steps: list[tuple[dict, int, int, int]], records: dict[str, CostR
                  None)
     if first is None:
         return None
-    line, tokens, drafts, seq = first
+    line, tokens, drafts, seq_end = first
     for record in records.values():
-        model = record.step_model()
-        excess = context_excess(tokens, seq, model.reference_context) if model.per_context else 0.0
-        if abs(model.predict(tokens, 1, excess, plain_tokens=tokens - drafts) * 1e3 / line["predicted_ms"] - 1) \
-                < MATCH_TOLERANCE:
+        if abs(predicted_ms(record.step_model(), tokens, drafts, seq_end) / line["predicted_ms"] - 1) < MATCH_TOLERANCE:
             return record
     return None
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import msgspec
-import numpy as np
 import pytest
 from script_helpers import load_script
 
