@@ -15,6 +15,12 @@ no speculation always runs first as the baseline. Per category and overall it re
 * tok/s (output tokens / wall time of the generate calls) and decode tok/s (tokens after the first / time from
   the first to the last token of each generate call, from vLLM's request timestamps);
 * speedup: tok/s over the baseline's tok/s, measured in the same invocation;
+* norm. speedup: the same ratio with every engine brought to one speed. Engines of one configuration started
+  minutes apart run up to a third apart on a small shared CPU, for their whole life, so three engines per method
+  resolve a ratio to about +-15%. Each engine's speed is read in its own worker before and after its timed runs
+  (:func:`~vllm_treespec.cost.measure.plain_step_ms`: the median one-token dummy step, whatever the method); each
+  run's tok/s is scaled by its engine's reading over the median reading of the invocation's engines, and the
+  medians over repeats are compared as for speedup;
 * identical: prompts whose greedy output is token-identical to the baseline's, every turn (temperature 0 only; an
   exactness check in fp32 only: in bf16 a batched forward can round differently from a one-token one).
 
@@ -360,6 +366,8 @@ class MethodResult:
     engine_start_s: list[float] = field(default_factory=list)
     #: per repeat, the engine's budget trace summarised (:func:`vllm_treespec.cost.trace.summarize`), when it wrote one
     budget: list[dict[str, Any]] = field(default_factory=list)
+    #: per repeat, the engine's one-token step in ms (:func:`engine_speed_ms`), None where it could not be read
+    plain_step_ms: list[float | None] = field(default_factory=list)
 
 
 def _batches(items: list, size: int) -> Iterable[list]:
@@ -408,6 +416,18 @@ def build_llm(model: str, spec: MethodSpec, args: argparse.Namespace):
                enforce_eager=args.enforce_eager)
 
 
+def engine_speed_ms(llm) -> float | None:
+    """The engine's one-token step in ms, read in its worker (:func:`~vllm_treespec.cost.measure.plain_step_ms`);
+    None, with one line, where the engine cannot run it."""
+    from vllm_treespec.cost.measure import plain_step_ms
+
+    try:
+        return float(llm.collective_rpc(plain_step_ms)[0])
+    except Exception as e:  # noqa: BLE001 - a reading is optional: the raw speedup stands without it
+        print(f"bench: cannot read the engine's speed ({type(e).__name__}: {e}); no norm. speedup", file=sys.stderr)
+        return None
+
+
 def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str, list[dict]],
                args: argparse.Namespace, repeat: int, progress=None) -> None:
     """One timed repeat of one method on a fresh engine (so no proposer state, such as suffix_tree's store of
@@ -435,6 +455,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
                                                    add_generation_prompt=True)
             llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
                          use_tqdm=False)
+            speed_before = engine_speed_ms(llm)
             runs: dict[str, CategoryRun] = {}
             for category, qs in questions.items():
                 if progress is not None:
@@ -443,7 +464,9 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
                                                        progress)
                 if repeat == 0:
                     result.outputs[category] = outputs
+            speed_after = engine_speed_ms(llm) if speed_before is not None else None
             result.repeats.append(runs)
+            result.plain_step_ms.append((speed_before + speed_after) / 2 if speed_after is not None else None)
     finally:
         del llm
         gc.collect()
@@ -519,6 +542,19 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
         return [rep[category] for rep in result.repeats if category in rep]
 
     base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
+    readings = [ms for r in results if r.status == "ok" for ms in r.plain_step_ms[: len(r.repeats)]]
+    reference_ms = _median(readings) if readings and None not in readings else None
+
+    def normalised_speed(result: MethodResult, category: str) -> float | None:
+        """Median over repeats of tok/s scaled to an engine of the median reading (None without readings)."""
+        if reference_ms is None or len(result.plain_step_ms) < len(result.repeats):
+            return None
+        runs = runs_of(result, category)
+        if len(runs) != len(result.repeats):
+            return None
+        return _median([run.tok_per_s * ms / reference_ms for run, ms in zip(runs, result.plain_step_ms)])
+
+    base_normalised = {c: normalised_speed(baseline, c) for c in categories + [OVERALL]}
     rows = []
     for result in results:
         if result.status != "ok":
@@ -531,6 +567,7 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
             for run in runs:
                 counters = counters + run.counters
             speed = _median([r.tok_per_s for r in runs])
+            normalised = normalised_speed(result, category)
             row = {
                 "method": result.spec.label, "category": category, "status": "ok",
                 "requests": runs[0].requests if runs else 0,
@@ -543,6 +580,10 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
                 "decode_tok_per_s": _median([r.decode_tok_per_s for r in runs]),
                 "tok_per_s_repeats": [r.tok_per_s for r in runs],
                 "speedup": speed / base_speed[category] if base_speed.get(category) else None,
+                "plain_step_ms_repeats": result.plain_step_ms[: len(result.repeats)],
+                "normalised_tok_per_s": normalised,
+                "normalised_speedup": normalised / base_normalised[category]
+                if normalised is not None and base_normalised.get(category) else None,
             }
             if temperature == 0 and not result.spec.is_baseline:
                 if category == OVERALL:
@@ -579,7 +620,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def format_table(rows: list[dict[str, Any]], positions: int = 4, dtype: str = "float32") -> str:
     header = ["method", "category", "reqs", "tau", "tok/step", f"accept@1..{positions}", "tok/s", "decode tok/s",
-              "speedup", "identical"]
+              "speedup", "norm. speedup", "identical"]
     table = [header]
     notes = []
     for row in rows:
@@ -592,11 +633,17 @@ def format_table(rows: list[dict[str, Any]], positions: int = 4, dtype: str = "f
                       _fmt(row.get("tokens_per_step"), ".2f"), accept,
                       _fmt(row["tok_per_s"], ".1f"), _fmt(row["decode_tok_per_s"], ".1f"),
                       _fmt(row["speedup"], ".2f") + ("x" if row["speedup"] is not None else ""),
+                      _fmt(row.get("normalised_speedup"), ".2f") + ("x" if row.get("normalised_speedup") else ""),
                       f"{lossless['identical']}/{lossless['prompts']}" if lossless else "-"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
              for r in table]
     lines.insert(1, "-" * len(lines[0]))
+    readings = [ms for row in rows if row["status"] == "ok" and row["category"] == OVERALL
+                for ms in row.get("plain_step_ms_repeats") or []]
+    if readings and None not in readings:
+        notes.append("norm. speedup: each run's tok/s x its engine's one-token step / the median engine's "
+                     f"({_median(readings):.1f} ms; engines {min(readings):.1f}-{max(readings):.1f} ms)")
     if dtype != "float32" and any(row.get("lossless") for row in rows):
         notes.append(f"identical: informational in {dtype} (batched and one-token forwards may round differently); "
                      "exactness is checked in float32")
@@ -714,6 +761,7 @@ def _run(args: argparse.Namespace) -> int:
     from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
     cpu_memory_defaults()
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the speed reading by pickle
     specs = parse_methods(args.methods)
     for spec in specs:
         check_method(spec)
