@@ -2,8 +2,9 @@
 
 It gates on the vLLM version (unsupported → one log line, nothing registered, vLLM keeps working), installs the
 process-0 config translation, on CPU the measured choice of dense linear (:mod:`vllm_treespec.patches.cpu_gemm`, in
-every engine: no speculation must run on the linear the tree methods run on) and — only in processes that serve a
-tree method — the worker patches and the tree-aware attention backend.
+every engine: no speculation must run on the linear the tree methods run on), where a benchmark asks for it the
+forward timer (:mod:`vllm_treespec.patches.forward_times`) and — only in processes that serve a tree method — the
+worker patches and the tree-aware attention backend.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def register() -> None:
                        "Install a supported vLLM or set %s=1 to try anyway.",
                        version, ", ".join(p + "x" for p in SUPPORTED_VLLM_PREFIXES), SKIP_VERSION_CHECK_ENV)
         return
-    from vllm_treespec.patches import cpu_gemm, engine_args, triton_dispatcher
+    from vllm_treespec.patches import cpu_gemm, engine_args, forward_times, triton_dispatcher
 
     engine_args.apply(activate_tree_mode)
     cpu_gemm.apply()  # every CPU engine, speculative or not: no speculation is measured on the same linear
+    forward_times.apply()  # only where a benchmark asks (VLLM_TREESPEC_FORWARD_TIMES=1): every engine's speed
     # every CPU engine too: once this package has imported numba (llvmlite), vLLM's kernel scan in an in-process
     # worker crashes, speculative or not
     triton_dispatcher.apply()

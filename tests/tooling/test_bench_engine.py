@@ -56,11 +56,13 @@ def test_bench_offline_reports_every_category_and_is_lossless(tmp_path, monkeypa
     assert all(a >= b for a, b in zip(overall["acceptance_per_pos"], overall["acceptance_per_pos"][1:]))
     assert rows[("none", "overall")]["drafts"] == 0 and rows[("none", "overall")]["speedup"] == pytest.approx(1.0)
     assert overall["speedup"] > 0 and overall["tok_per_s"] > 0 and overall["decode_tok_per_s"] > 0
-    # each engine's speed was read in its worker, and the ratio at equal engine speed follows from it
-    readings = overall["plain_step_ms_repeats"] + rows[("none", "overall")]["plain_step_ms_repeats"]
-    assert len(readings) == 2 and all(0 < ms < 10_000 for ms in readings)
-    assert overall["normalised_speedup"] == pytest.approx(
-        overall["speedup"] * readings[0] / readings[1], rel=1e-6)
+    # each engine's worker timed its plain forwards: no speculation's ~70; the tree engine's only where it verified
+    # nothing (none if fewer than MIN_PLAIN_FORWARDS), and the ratio at equal engine speed follows from both
+    (none_ms,) = rows[("none", "overall")]["plain_forward_ms_repeats"]
+    (tree_ms,) = overall["plain_forward_ms_repeats"]
+    assert 0 < none_ms < 10_000
+    expected = None if tree_ms is None else pytest.approx(overall["speedup"] * tree_ms / none_ms, rel=1e-6)
+    assert overall["normalised_speedup"] == expected
     assert {p.name for p in out.iterdir()} >= {"results.json", "table.txt", "speedup.png", "tau.png",
                                                "acceptance.png"}
 

@@ -117,24 +117,24 @@ def test_summarize_speedup_median_and_lossless_counts():
 
 
 def test_norm_speedup_brings_every_engine_to_the_median_engines_speed():
-    """Engines of one configuration run at different speeds: scaled by each engine's one-token step, the runs of a
+    """Engines of one configuration run at different speeds: scaled by each engine's median plain forward, the runs of a
     method agree, and the ratio is the methods' (2x here) where the raw medians say 1.6x."""
     out = {"code": {1: [[1]]}, "chat": {2: [[2]]}}
     none = _result("none", "none", [10.0, 8.0, 10.0], out)
-    none.plain_step_ms = [40.0, 50.0, 40.0]  # tok/s x ms = 400 on every engine
+    none.plain_forward_ms = [40.0, 50.0, 40.0]  # tok/s x ms = 400 on every engine
     tree = _result("st", "suffix_tree", [16.0, 16.0, 25.0], out)
-    tree.plain_step_ms = [50.0, 50.0, 32.0]  # 800
+    tree.plain_forward_ms = [50.0, 50.0, 32.0]  # 800
     rows = {(r["method"], r["category"]): r for r in bench.summarize([none, tree], temperature=0.0)}
     overall = rows[("st", "overall")]
     assert overall["speedup"] == pytest.approx(1.6)
     assert overall["normalised_speedup"] == pytest.approx(2.0)
     assert overall["normalised_tok_per_s"] == pytest.approx(800 / 45)  # the median of the six readings: 45 ms
     assert rows[("st", "code")]["normalised_speedup"] == pytest.approx(2.0)
-    assert overall["plain_step_ms_repeats"] == [50.0, 50.0, 32.0]
+    assert overall["plain_forward_ms_repeats"] == [50.0, 50.0, 32.0]
     table = bench.format_table(list(rows.values()))
     assert "1.60x" in table and "2.00x" in table and "median engine's (45.0 ms; engines 32.0-50.0 ms)" in table
 
-    tree.plain_step_ms = [50.0, None, 32.0]  # one engine could not be read: no normalised figure at all
+    tree.plain_forward_ms = [50.0, None, 32.0]  # one engine could not be read: no normalised figure at all
     rows = bench.summarize([none, tree], temperature=0.0)
     assert all(r["normalised_speedup"] is None for r in rows)
     assert "norm. speedup:" not in bench.format_table(rows)

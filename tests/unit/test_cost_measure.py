@@ -99,16 +99,6 @@ def test_step_driver_sets_the_query_length_and_restores_it():
         StepDriver(runner)(5, 2)
 
 
-def test_plain_step_ms_reads_the_median_one_token_step_after_two_untimed(monkeypatch):
-    from vllm_treespec.cost import measure
-
-    runner = FakeRunner()
-    clock = iter([0.0, 0.004, 0.0, 0.004] + [0.0, 0.010, 0.0, 0.030, 0.0, 0.020])  # warm-ups 4 ms, then 10/30/20
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
-    assert measure.plain_step_ms(SimpleNamespace(model_runner=runner), steps=3) == pytest.approx(20.0)
-    assert [(tokens, query_len) for tokens, query_len, _ in runner.runs] == [(1, 1)] * 5
-
-
 def test_step_driver_gives_each_request_distinct_blocks_and_restores_the_table():
     """vLLM's dummy run leaves every block id 0: its attention would read one cached block again and again."""
     runner = FakeRunner()

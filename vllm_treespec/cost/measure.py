@@ -287,21 +287,6 @@ def step_cost_model(runner: Any, cache: CostCache | None = None, refresh: bool =
     return record.step_model(), record
 
 
-#: timed one-token dummy steps per engine-speed reading (after two untimed)
-SPEED_READING_STEPS = 15
-
-
-def plain_step_ms(worker: Any, steps: int = SPEED_READING_STEPS, context_len: int = DEFAULT_CONTEXT_LEN) -> float:
-    """For ``LLM.collective_rpc``: this worker's median milliseconds for one plain one-token step
-    (:class:`StepDriver`: forward, LM head, argmax) — how fast this engine runs, whatever method it serves.
-    Engines of one configuration started minutes apart ran up to a third apart here for their whole life; a
-    benchmark reads each engine's speed this way to tell that apart from the method's effect."""
-    drive = StepDriver(worker.model_runner, context_len)
-    for _ in range(2):
-        drive(1, 1)
-    return 1e3 * float(np.median([drive(1, 1) for _ in range(max(int(steps), 1))]))
-
-
 def measure_worker(worker: Any, points: Sequence[Sequence[int]] | None = None, held_out: Sequence[Sequence[int]] = (),
                    **options: Any) -> dict[str, Any]:
     """For ``LLM.collective_rpc``: :func:`sweep` on this worker's runner as plain data: the record's fields plus

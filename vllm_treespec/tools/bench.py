@@ -17,10 +17,10 @@ no speculation always runs first as the baseline. Per category and overall it re
 * speedup: tok/s over the baseline's tok/s, measured in the same invocation;
 * norm. speedup: the same ratio with every engine brought to one speed. Engines of one configuration started
   minutes apart run up to a third apart on a small shared CPU, for their whole life, so three engines per method
-  resolve a ratio to about +-15%. Each engine's speed is read in its own worker before and after its timed runs
-  (:func:`~vllm_treespec.cost.measure.plain_step_ms`: the median one-token dummy step, whatever the method); each
-  run's tok/s is scaled by its engine's reading over the median reading of the invocation's engines, and the
-  medians over repeats are compared as for speedup;
+  resolve a ratio to about +-15%. Each engine's worker times its plain forwards (one token per request, whatever
+  the method: :mod:`vllm_treespec.patches.forward_times`) during the timed runs; each run's tok/s is scaled by its
+  engine's median plain forward over the median of the invocation's engines, and the medians over repeats are
+  compared as for speedup (a CPU engine at batch size 1 to 8 or so; none where an engine ran too few plain steps);
 * identical: prompts whose greedy output is token-identical to the baseline's, every turn (temperature 0 only; an
   exactness check in fp32 only: in bf16 a batched forward can round differently from a one-token one).
 
@@ -366,8 +366,8 @@ class MethodResult:
     engine_start_s: list[float] = field(default_factory=list)
     #: per repeat, the engine's budget trace summarised (:func:`vllm_treespec.cost.trace.summarize`), when it wrote one
     budget: list[dict[str, Any]] = field(default_factory=list)
-    #: per repeat, the engine's one-token step in ms (:func:`engine_speed_ms`), None where it could not be read
-    plain_step_ms: list[float | None] = field(default_factory=list)
+    #: per repeat, the engine's median plain forward in ms (:func:`plain_forward_ms`), None where it has none
+    plain_forward_ms: list[float | None] = field(default_factory=list)
 
 
 def _batches(items: list, size: int) -> Iterable[list]:
@@ -416,16 +416,24 @@ def build_llm(model: str, spec: MethodSpec, args: argparse.Namespace):
                enforce_eager=args.enforce_eager)
 
 
-def engine_speed_ms(llm) -> float | None:
-    """The engine's one-token step in ms, read in its worker (:func:`~vllm_treespec.cost.measure.plain_step_ms`);
-    None, with one line, where the engine cannot run it."""
-    from vllm_treespec.cost.measure import plain_step_ms
+#: plain forwards an engine must have run for its speed to count
+MIN_PLAIN_FORWARDS = 20
+
+
+def plain_forward_ms(llm, num_reqs: int, reset: bool = False) -> float | None:
+    """The median ms of the engine's plain forwards of ``num_reqs`` requests since the last reset
+    (:func:`~vllm_treespec.patches.forward_times.read_forward_times` in its worker); None, with one line, where it
+    cannot be read or ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+    from vllm_treespec.patches.forward_times import read_forward_times
 
     try:
-        return float(llm.collective_rpc(plain_step_ms)[0])
+        reading = llm.collective_rpc(read_forward_times, kwargs={"reset": reset})[0]
     except Exception as e:  # noqa: BLE001 - a reading is optional: the raw speedup stands without it
-        print(f"bench: cannot read the engine's speed ({type(e).__name__}: {e}); no norm. speedup", file=sys.stderr)
+        print(f"bench: cannot read the engine's forward times ({type(e).__name__}: {e}); no norm. speedup",
+              file=sys.stderr)
         return None
+    median_ms, count = reading.get(num_reqs, (None, 0))
+    return median_ms if count >= MIN_PLAIN_FORWARDS else None
 
 
 def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str, list[dict]],
@@ -455,7 +463,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
                                                    add_generation_prompt=True)
             llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
                          use_tqdm=False)
-            speed_before = engine_speed_ms(llm)
+            plain_forward_ms(llm, 1, reset=True)  # the engine's speed counts from here
             runs: dict[str, CategoryRun] = {}
             for category, qs in questions.items():
                 if progress is not None:
@@ -464,9 +472,8 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
                                                        progress)
                 if repeat == 0:
                     result.outputs[category] = outputs
-            speed_after = engine_speed_ms(llm) if speed_before is not None else None
             result.repeats.append(runs)
-            result.plain_step_ms.append((speed_before + speed_after) / 2 if speed_after is not None else None)
+            result.plain_forward_ms.append(plain_forward_ms(llm, max(args.batch_size, 1)))
     finally:
         del llm
         gc.collect()
@@ -542,17 +549,17 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
         return [rep[category] for rep in result.repeats if category in rep]
 
     base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
-    readings = [ms for r in results if r.status == "ok" for ms in r.plain_step_ms[: len(r.repeats)]]
+    readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms[: len(r.repeats)]]
     reference_ms = _median(readings) if readings and None not in readings else None
 
     def normalised_speed(result: MethodResult, category: str) -> float | None:
         """Median over repeats of tok/s scaled to an engine of the median reading (None without readings)."""
-        if reference_ms is None or len(result.plain_step_ms) < len(result.repeats):
+        if reference_ms is None or len(result.plain_forward_ms) < len(result.repeats):
             return None
         runs = runs_of(result, category)
         if len(runs) != len(result.repeats):
             return None
-        return _median([run.tok_per_s * ms / reference_ms for run, ms in zip(runs, result.plain_step_ms)])
+        return _median([run.tok_per_s * ms / reference_ms for run, ms in zip(runs, result.plain_forward_ms)])
 
     base_normalised = {c: normalised_speed(baseline, c) for c in categories + [OVERALL]}
     rows = []
@@ -580,7 +587,7 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
                 "decode_tok_per_s": _median([r.decode_tok_per_s for r in runs]),
                 "tok_per_s_repeats": [r.tok_per_s for r in runs],
                 "speedup": speed / base_speed[category] if base_speed.get(category) else None,
-                "plain_step_ms_repeats": result.plain_step_ms[: len(result.repeats)],
+                "plain_forward_ms_repeats": result.plain_forward_ms[: len(result.repeats)],
                 "normalised_tok_per_s": normalised,
                 "normalised_speedup": normalised / base_normalised[category]
                 if normalised is not None and base_normalised.get(category) else None,
@@ -640,9 +647,9 @@ def format_table(rows: list[dict[str, Any]], positions: int = 4, dtype: str = "f
              for r in table]
     lines.insert(1, "-" * len(lines[0]))
     readings = [ms for row in rows if row["status"] == "ok" and row["category"] == OVERALL
-                for ms in row.get("plain_step_ms_repeats") or []]
+                for ms in row.get("plain_forward_ms_repeats") or []]
     if readings and None not in readings:
-        notes.append("norm. speedup: each run's tok/s x its engine's one-token step / the median engine's "
+        notes.append("norm. speedup: each run's tok/s x its engine's median plain forward / the median engine's "
                      f"({_median(readings):.1f} ms; engines {min(readings):.1f}-{max(readings):.1f} ms)")
     if dtype != "float32" and any(row.get("lossless") for row in rows):
         notes.append(f"identical: informational in {dtype} (batched and one-token forwards may round differently); "
@@ -761,7 +768,11 @@ def _run(args: argparse.Namespace) -> int:
     from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
     cpu_memory_defaults()
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the speed reading by pickle
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the reading by pickle
+    from vllm_treespec.patches import forward_times
+
+    os.environ[forward_times.FORWARD_TIMES_ENV] = "1"  # every engine's workers time their plain forwards
+    forward_times.apply()  # and an engine in this process (the plugin registered before the variable was set)
     specs = parse_methods(args.methods)
     for spec in specs:
         check_method(spec)
