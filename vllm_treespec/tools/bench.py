@@ -443,17 +443,23 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     check."""
     from vllm import SamplingParams
 
+    from vllm_treespec.patches import forward_times
+
     spec = result.spec
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                             seed=args.seed if args.temperature > 0 else None)
     trace_path = Path(args.out) / f"budget-{spec.label}-r{repeat + 1}.jsonl"
     trace.clear(trace_path)
     os.environ[TRACE_ENV] = str(trace_path)  # read by the engine's worker when its budget is built
+    os.environ[forward_times.FORWARD_TIMES_ENV] = "1"  # its workers time their plain forwards (norm. speedup)
+    forward_times.install()  # in this process too, for an in-process engine (the plugin registered before)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the reading by pickle
     started = time.perf_counter()
     try:
         llm = build_llm(model, spec, args)
     finally:
         os.environ.pop(TRACE_ENV, None)
+        os.environ.pop(forward_times.FORWARD_TIMES_ENV, None)
     # this front end and the engine core off the worker's cores while the engine runs
     placement = off_the_workers_cpus(os.getpid()) if args.cpu_affinity == "reserved" else contextlib.nullcontext()
     try:
@@ -768,11 +774,6 @@ def _run(args: argparse.Namespace) -> int:
     from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
     cpu_memory_defaults()
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc ships the reading by pickle
-    from vllm_treespec.patches import forward_times
-
-    os.environ[forward_times.FORWARD_TIMES_ENV] = "1"  # every engine's workers time their plain forwards
-    forward_times.apply()  # and an engine in this process (the plugin registered before the variable was set)
     specs = parse_methods(args.methods)
     for spec in specs:
         check_method(spec)
