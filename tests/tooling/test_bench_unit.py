@@ -134,7 +134,11 @@ def test_norm_speedup_brings_every_engine_to_the_median_engines_speed():
     table = bench.format_table(list(rows.values()))
     assert "1.60x" in table and "2.00x" in table and "median engine's (45.0 ms; engines 32.0-50.0 ms)" in table
 
-    tree.plain_forward_ms = [50.0, None, 32.0]  # one engine could not be read: no normalised figure at all
+    tree.plain_forward_ms = [50.0, None, 32.0]  # one engine ran too few plain forwards: that method has none
+    rows = {(r["method"], r["category"]): r for r in bench.summarize([none, tree], temperature=0.0)}
+    assert rows[("st", "overall")]["normalised_speedup"] is None
+    assert rows[("none", "overall")]["normalised_tok_per_s"] == pytest.approx(400 / 40)  # median of 5 readings
+    none.plain_forward_ms = tree.plain_forward_ms = [None, None, None]
     rows = bench.summarize([none, tree], temperature=0.0)
     assert all(r["normalised_speedup"] is None for r in rows)
     assert "norm. speedup:" not in bench.format_table(rows)

@@ -555,12 +555,14 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
         return [rep[category] for rep in result.repeats if category in rep]
 
     base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
-    readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms[: len(r.repeats)]]
-    reference_ms = _median(readings) if readings and None not in readings else None
+    readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms[: len(r.repeats)] if ms]
+    reference_ms = _median(readings) if readings else None
 
     def normalised_speed(result: MethodResult, category: str) -> float | None:
-        """Median over repeats of tok/s scaled to an engine of the median reading (None without readings)."""
-        if reference_ms is None or len(result.plain_forward_ms) < len(result.repeats):
+        """Median over repeats of tok/s scaled to an engine of the median reading (None unless every one of the
+        method's engines has a reading)."""
+        measured = result.plain_forward_ms[: len(result.repeats)]
+        if reference_ms is None or len(measured) < len(result.repeats) or None in measured:
             return None
         runs = runs_of(result, category)
         if len(runs) != len(result.repeats):
@@ -653,8 +655,8 @@ def format_table(rows: list[dict[str, Any]], positions: int = 4, dtype: str = "f
              for r in table]
     lines.insert(1, "-" * len(lines[0]))
     readings = [ms for row in rows if row["status"] == "ok" and row["category"] == OVERALL
-                for ms in row.get("plain_forward_ms_repeats") or []]
-    if readings and None not in readings:
+                for ms in row.get("plain_forward_ms_repeats") or [] if ms]
+    if readings:
         notes.append("norm. speedup: each run's tok/s x its engine's median plain forward / the median engine's "
                      f"({_median(readings):.1f} ms; engines {min(readings):.1f}-{max(readings):.1f} ms)")
     if dtype != "float32" and any(row.get("lossless") for row in rows):
