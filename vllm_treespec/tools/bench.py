@@ -366,7 +366,8 @@ class MethodResult:
     engine_start_s: list[float] = field(default_factory=list)
     #: per repeat, the engine's budget trace summarised (:func:`vllm_treespec.cost.trace.summarize`), when it wrote one
     budget: list[dict[str, Any]] = field(default_factory=list)
-    #: per repeat, the engine's median plain forward in ms (:func:`plain_forward_ms`), None where it has none
+    #: per repeat (one per entry of ``repeats``), the engine's median plain forward in ms (:func:`plain_forward_ms`),
+    #: None where it has none
     plain_forward_ms: list[float | None] = field(default_factory=list)
 
 
@@ -518,6 +519,7 @@ def run_round_robin(model: str, tokenizer, specs: list[MethodSpec], questions: d
                     print(f"bench: {result.spec.label} failed: {type(e).__name__}: {e}", file=sys.stderr)
                     result.status, result.reason = "failed", f"{type(e).__name__}: {e}"
                     result.repeats.clear()
+                    result.plain_forward_ms.clear()
     return results
 
 
@@ -555,17 +557,14 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
         return [rep[category] for rep in result.repeats if category in rep]
 
     base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
-    readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms[: len(r.repeats)] if ms]
+    readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms if ms]
     reference_ms = _median(readings) if readings else None
 
     def normalised_speed(result: MethodResult, category: str) -> float | None:
         """Median over repeats of tok/s scaled to an engine of the median reading (None unless every one of the
         method's engines has a reading)."""
-        measured = result.plain_forward_ms[: len(result.repeats)]
-        if reference_ms is None or len(measured) < len(result.repeats) or None in measured:
-            return None
         runs = runs_of(result, category)
-        if len(runs) != len(result.repeats):
+        if reference_ms is None or None in result.plain_forward_ms or len(runs) != len(result.plain_forward_ms):
             return None
         return _median([run.tok_per_s * ms / reference_ms for run, ms in zip(runs, result.plain_forward_ms)])
 
@@ -595,7 +594,7 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
                 "decode_tok_per_s": _median([r.decode_tok_per_s for r in runs]),
                 "tok_per_s_repeats": [r.tok_per_s for r in runs],
                 "speedup": speed / base_speed[category] if base_speed.get(category) else None,
-                "plain_forward_ms_repeats": result.plain_forward_ms[: len(result.repeats)],
+                "plain_forward_ms_repeats": list(result.plain_forward_ms),
                 "normalised_tok_per_s": normalised,
                 "normalised_speedup": normalised / base_normalised[category]
                 if normalised is not None and base_normalised.get(category) else None,
