@@ -135,6 +135,10 @@ def run_child(args: argparse.Namespace) -> None:
 
         os.environ[NEVER_DRAFT_ENV] = "1"  # read when the engine's tree verifier is built
     import torch
+
+    # one thread before the engine loads, as in vLLM's CPU worker here: the CPU linear's saved choice is keyed by the
+    # thread count at load (with two, an fp32 model keeps oneDNN, which the worker's one-thread engines do not)
+    torch.set_num_threads(1)
     from vllm import LLM, SamplingParams
 
     from vllm_treespec.tools.bench import load_questions
@@ -145,7 +149,6 @@ def run_child(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=2048,
               max_num_seqs=args.batch_size,
               enforce_eager=True, seed=0, speculative_config=json.loads(args.child))
-    torch.set_num_threads(1)  # the in-process worker would use every core; vLLM's CPU worker has one here
     tokenizer = llm.get_tokenizer()
     questions = [q for qs in load_questions(args.prompts.split(","), None).values() for q in qs]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
