@@ -228,6 +228,21 @@ def test_min_gain_and_overhead_turn_marginal_speculation_off():
     assert allocate([t], cost, overhead=0.005).num_nodes.tolist() == [0]
 
 
+def test_the_gate_learns_the_mean_of_each_requests_jth_best_path_probability():
+    """A tree without a j-th node counts 0 there; the running mean spans the longer of old and new gains (node_probs
+    are float32, hence the tolerance)."""
+    gate = DraftGate(STEEP, alpha=0.5)
+    gate.record([star([0.9, 0.2]), None, star([0.4])], scale=0.5)
+    np.testing.assert_allclose(gate.marginal, [(0.45 + 0.2) / 2, 0.1 / 2], rtol=1e-6)
+    gate.record([star([0.8, 0.6, 0.3])])
+    np.testing.assert_allclose(gate.marginal, [0.5 * 0.325 + 0.5 * 0.8, 0.5 * 0.05 + 0.5 * 0.6, 0.5 * 0.3],
+                               rtol=1e-6)
+    gate.record([star([1.0])])
+    np.testing.assert_allclose(gate.marginal, [0.5 * 0.5625 + 0.5, 0.5 * 0.325, 0.5 * 0.15], rtol=1e-6)
+    gate.record([None])  # nothing drafted: nothing learnt
+    np.testing.assert_allclose(gate.marginal, [0.78125, 0.1625, 0.075], rtol=1e-6)
+
+
 def test_the_gates_expected_rate_follows_every_change_of_its_gains():
     gate = DraftGate(STEEP)
     assert gate.expected_best(2)[0] == 0.0  # nothing learnt: no drafting rate

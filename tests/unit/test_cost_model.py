@@ -184,6 +184,36 @@ def test_plain_steps_and_verifying_steps_learn_apart():
     assert fresh.predict(8, 8, plain_tokens=8) == pytest.approx(1.3 * float(fresh.base(8, 8)), rel=0.05)
 
 
+def numpy_prediction(model, tokens, num_reqs=1, excess=0.0, plain_tokens=None):
+    """What :meth:`StepCostModel.predict_many` computes, by the model's NumPy parts (its path without Numba)."""
+    tokens = np.asarray(tokens, np.float64)
+    return model.base(tokens, num_reqs, excess) * model.factor(tokens, plain_tokens)
+
+
+@pytest.mark.parametrize("per_context", [0.0, 2e-6])
+def test_the_compiled_prediction_is_the_numpy_one(per_context):
+    """Below, between and beyond the knots, with and without corrections of either kind, plain and verifying counts,
+    context terms that hit the floor: the compiled kernel gives the NumPy path's seconds."""
+    from vllm_treespec.cost import model as model_module
+
+    assert model_module._predict_kernel() is not None  # Numba is installed here: the kernel is what runs
+    model = StepCostModel.fit(samples_of(cpu_like, grid=[2, 4, 8, 16]), reference_context=256)
+    model.per_request, model.per_context = 0.003, per_context
+    rng = np.random.default_rng(0)
+    tokens = np.array([0.5, 1, 2, 3, 4, 6, 8, 8.5, 16, 17, 40, 100], np.float64)
+    excess = rng.uniform(-60_000, 60_000, tokens.size)
+    for observations in range(4):
+        for plain_tokens in (None, 1, 4, 8):
+            for reqs in (1, 3):
+                got = model.predict_many(tokens, reqs, excess, plain_tokens)
+                np.testing.assert_allclose(got, numpy_prediction(model, tokens, reqs, excess, plain_tokens),
+                                           rtol=1e-12)
+        assert model.predict_many(np.array([[4.0, 8.0]]), 1, 0.0, 1).shape == (1, 2)
+        assert isinstance(model.predict(4, 1, 0.0, 1), float)
+        # plain steps first, then verifying steps: every combination of the two tables
+        model.observe(int(rng.integers(1, 40)), 1, float(rng.uniform(0.03, 0.2)), drafts=observations % 2)
+
+
 def test_curve_model_for_a_drafter():
     drafter = CurveModel.fit([StepSample(1, r, 0.002 * r) for r in (1, 2, 4, 8) for _ in range(3)])
     assert drafter.predict(6) == pytest.approx(0.012)
@@ -342,3 +372,18 @@ def test_a_cache_of_the_format_before_the_context_term_is_measured_again(tmp_pat
     with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
         assert cache.load(KEY) is None
     assert "format 1" in caplog.text
+
+
+def test_running_median_of_the_host_time_keeps_a_window_after_its_warm_up():
+    from vllm_treespec.cost.online import RunningMedian
+
+    host = RunningMedian(window=4, default=0.5, warmup=1)
+    assert host.seconds == 0.5
+    host.add(9.0)  # the warm-up sample (a first step compiles kernels) is dropped
+    assert host.seconds == 0.5
+    for value in (3.0, 1.0, float("nan"), -1.0):  # a bad sample is dropped too
+        host.add(value)
+    assert host.seconds == 2.0 and len(host) == 2  # even count: the mean of the middle two
+    for value in (5.0, 7.0, 4.0):
+        host.add(value)
+    assert host.seconds == 4.5 and len(host) == 4  # 3.0 left the window: median of 1, 5, 7, 4

@@ -248,6 +248,14 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     return Allocation(out, num_nodes, expected, seconds, plain, gains, expected - base_expected)
 
 
+def _zero_padded_sum(arrays: Sequence[np.ndarray], size: int = 0) -> np.ndarray:
+    """The element-wise sum of 1-D ``arrays``, each padded with zeros to the longest (and to at least ``size``)."""
+    out = np.zeros(max(size, max(a.size for a in arrays)))
+    for a in arrays:
+        out[: a.size] += a
+    return out
+
+
 class DrafterCost(Protocol):
     def predict(self, x: float) -> float | None: ...
 
@@ -337,14 +345,13 @@ class DraftGate:
                         if t is not None and t.node_probs is not None and t.num_nodes]
         if not sorted_probs:
             return
-        size = max(p.size for p in sorted_probs)
-        current = np.mean([np.pad(p, (0, size - p.size)) for p in sorted_probs], axis=0)
+        current = _zero_padded_sum(sorted_probs) / len(sorted_probs)  # a tree without a j-th node adds 0 there
         if self.marginal is None:
             self.marginal = current
             return
         size = max(current.size, self.marginal.size)
-        old = np.pad(self.marginal, (0, size - self.marginal.size))
-        self.marginal = (1 - self.alpha) * old + self.alpha * np.pad(current, (0, size - current.size))
+        old, current = _zero_padded_sum([self.marginal], size), _zero_padded_sum([current], size)
+        self.marginal = (1 - self.alpha) * old + self.alpha * current
 
     def allocated(self, allocation: Allocation | None, extra_seconds: float = 0.0) -> None:
         """A drafted step's allocation (None: the drafter proposed nothing). One that admitted nothing saved nothing;

@@ -24,7 +24,8 @@
 
 Nothing here is specific to a device: a GPU's measured points give a flat ``f`` and so a flat curve. The fitted points
 are cached on disk per engine (:class:`CostCache`, keyed by :class:`CostKey`); a corrupt or foreign file is ignored
-with one log line. Imports numpy and msgspec only.
+with one log line. Imports numpy and msgspec only; predictions take :mod:`.fast_predict`'s compiled kernel where Numba
+is installed.
 """
 
 from __future__ import annotations
@@ -198,12 +199,17 @@ class OnlineCorrection:
         x = np.asarray(x, np.float64)
         if not self._mean:
             return np.ones_like(x)
+        anchors, logs = self.knots()
+        return np.exp(np.interp(np.log2(np.maximum(x, 1.0)), anchors, logs))
+
+    def knots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(log2 of tokens, log of the factor) at each bucket's knot, in bucket order; empty before any observation.
+        Kept until the next observation."""
         if self._table is None:
             keys = sorted(self._mean)
             self._table = (np.array([self._knot(b) for b in keys], np.float64),
                            np.array([self._mean[b] / self._weight[b] for b in keys], np.float64))
-        anchors, logs = self._table
-        return np.exp(np.interp(np.log2(np.maximum(x, 1.0)), anchors, logs))
+        return self._table
 
     def _knot(self, bucket: int) -> float:
         """Where bucket ``bucket``'s correction applies: the weighted mean log2(x) of its observations."""
@@ -215,6 +221,19 @@ class OnlineCorrection:
         self._weight.clear()
         self._position.clear()
         self._table = None
+
+
+_KERNEL: list = []  # [the compiled prediction, or None where Numba is missing], imported at the first prediction
+
+
+def _predict_kernel() -> Callable | None:
+    if not _KERNEL:
+        try:
+            from vllm_treespec.cost.fast_predict import predict_kernel
+        except ImportError:  # standalone scripts on a machine without Numba: the NumPy path
+            predict_kernel = None
+        _KERNEL.append(predict_kernel)
+    return _KERNEL[0]
 
 
 def _medians(samples: Iterable[StepSample]) -> dict[tuple[int, int], tuple[float, int]]:
@@ -290,7 +309,25 @@ class StepCostModel:
         """``plain_tokens``: the step's tokens without drafts; counts above it are priced as steps that verify
         drafts (None: every count as a plain step)."""
         tokens = np.asarray(num_tokens, np.float64)
-        return self.base(tokens, num_reqs, excess) * self.factor(tokens, plain_tokens)
+        kernel = _predict_kernel()
+        if kernel is None:
+            return self.base(tokens, num_reqs, excess) * self.factor(tokens, plain_tokens)
+        flat = tokens if tokens.ndim == 1 and tokens.flags.c_contiguous else np.ascontiguousarray(tokens.reshape(-1))
+        if not self.per_context:
+            excess = flat  # not read
+        elif isinstance(excess, np.ndarray) and excess.shape == flat.shape and excess.dtype == np.float64 \
+                and excess.flags.c_contiguous:
+            pass
+        else:
+            excess = np.ascontiguousarray(np.broadcast_to(np.asarray(excess, np.float64), tokens.shape).reshape(-1))
+        plain_table = self.correction if self.correction.observed else self.draft_correction
+        draft_table = self.draft_correction if self.draft_correction.observed else plain_table
+        plain_anchors, plain_logs = plain_table.knots()
+        draft_anchors, draft_logs = draft_table.knots()
+        seconds = kernel(flat, excess, int(num_reqs), 0.0 if plain_tokens is None else float(plain_tokens),
+                         plain_tokens is not None, self.curve.x, self.curve.y, float(self.curve.tail_slope),
+                         self.per_request, self.per_context, plain_anchors, plain_logs, draft_anchors, draft_logs)
+        return seconds if seconds.shape == tokens.shape else seconds.reshape(tokens.shape)
 
     def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0,
                 plain_tokens: float | None = None) -> float:

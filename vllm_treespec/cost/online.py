@@ -5,6 +5,7 @@ numpy only."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 import numpy as np
@@ -43,7 +44,7 @@ class RunningMedian:
         if not self.samples:
             return self.default
         if self._median is None:
-            self._median = float(np.median(self.samples))
+            self._median = float(statistics.median(self.samples))  # np.median of a deque: ~30 us, every step
         return self._median
 
     def __len__(self) -> int:
