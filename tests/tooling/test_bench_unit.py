@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -222,6 +223,39 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
     assert "2.00x" in table and "1.60x" in table and "0.95x" in table and "30.0 / 24.0" in table and "boom" in table
 
 
+def test_bench_serve_pairs_rounds_at_equal_engine_speed(tmp_path):
+    """Each level reads its server's plain forwards in its window; a round's ratio at equal speed is its raw ratio
+    times the method's plain forward over no speculation's, and a round without a reading leaves the column empty."""
+    from vllm_treespec.tools.bench_serve import add_forward_times, add_ratios, format_table, merge_rounds
+
+    def entry(label, rates, forward_ms, pid):
+        e = _serve_entry(label, {"4": rates}, pid)
+        records = [(10.0 + j, 4, forward_ms) for j in range(25)] + [(10.5, 3, 999.0)]  # the level's tail
+        records += [(50.0 + j, 4, 1.0) for j in range(30)]  # another level's window
+        add_forward_times(e, records, {"4": (10.0, 40.0)})
+        return e
+
+    none = merge_rounds([entry("none", 50.0, 40.0, 1), entry("none", 40.0, 50.0, 2), entry("none", 60.0, 40.0, 3)])
+    graft = merge_rounds([entry("graft", 45.0, 45.0, 4), entry("graft", 48.0, 44.0, 5),
+                          entry("graft", 54.0, 30.0, 6)])
+    assert none["levels"]["4"]["rounds_plain_forward_ms"] == [40.0, 50.0, 40.0]
+    assert graft["levels"]["4"]["plain_forward"] == {"ms": 44.0, "reqs": 4, "count": 25}  # the median round's
+    add_ratios([none, graft])
+    level = graft["levels"]["4"]
+    assert level["rounds_vs_none"] == pytest.approx([0.9, 1.2, 0.9])
+    assert level["rounds_vs_none_equal_speed"] == pytest.approx([0.9 * 45 / 40, 1.2 * 44 / 50, 0.9 * 30 / 40])
+    assert level["vs_none_paired_equal_speed"] == pytest.approx(0.9 * 45 / 40)  # rounds 1.01 / 1.06 / 0.68
+    row = next(line for line in format_table([none, graft]).splitlines() if line.startswith("graft"))
+    assert row.split()[4:7] == ["0.96x", "0.90x", "1.01x"]  # vs none, paired, paired at equal engine speed
+    assert row.endswith("45.0 / 44.0 / 30.0 ms")
+    few = _serve_entry("graft", {"4": 45.0}, 7)
+    add_forward_times(few, [(10.0 + j, 4, 40.0) for j in range(5)], {"4": (10.0, 40.0)})
+    assert few["levels"]["4"]["plain_forward"] is None  # too few forwards to read a speed from
+    sparse = merge_rounds([few, entry("graft", 48.0, 40.0, 8), entry("graft", 54.0, 30.0, 9)])
+    add_ratios([none, sparse])
+    assert "vs_none_paired" in sparse["levels"]["4"] and "vs_none_paired_equal_speed" not in sparse["levels"]["4"]
+
+
 def test_bench_serve_rejects_bad_repeats(capsys):
     from vllm_treespec.tools.bench_serve import main
 
@@ -331,6 +365,11 @@ def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, 
     bench_serve.main(common + ["--plain", "graft_plain"])
     assert envs["graft_plain"][NEVER_DRAFT_ENV] == "1"
     assert NEVER_DRAFT_ENV not in envs["graft"] and NEVER_DRAFT_ENV not in envs["none"]
+    from vllm_treespec.patches.forward_times import FORWARD_TIMES_FILE_ENV
+
+    # every server, speculative or not, writes its plain forwards to a file of its own round
+    assert {label: Path(env[FORWARD_TIMES_FILE_ENV]).name for label, env in envs.items()} == {
+        label: f"forwards-{label}-r1.txt" for label in ("none", "graft", "graft_plain")}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

@@ -40,8 +40,42 @@ def test_only_plain_decode_forwards_on_cpu_are_timed_by_requests(monkeypatch):
     assert forward_times.read_forward_times() == {}
 
 
-def test_the_timer_is_off_unless_a_benchmark_asks(monkeypatch):
+def test_the_timer_is_off_unless_a_benchmark_asks(monkeypatch, tmp_path):
     monkeypatch.delenv(forward_times.FORWARD_TIMES_ENV, raising=False)
+    monkeypatch.delenv(forward_times.FORWARD_TIMES_FILE_ENV, raising=False)
     assert not forward_times.enabled()
     monkeypatch.setenv(forward_times.FORWARD_TIMES_ENV, "1")
     assert forward_times.enabled()
+    monkeypatch.delenv(forward_times.FORWARD_TIMES_ENV)
+    monkeypatch.setenv(forward_times.FORWARD_TIMES_FILE_ENV, str(tmp_path / "forwards.txt"))
+    assert forward_times.enabled()
+
+
+def test_a_server_writes_its_plain_forwards_and_a_level_reads_its_window(monkeypatch, tmp_path):
+    """Each worker appends (start, requests, ms) per plain forward to ``<file>.<pid>``; a load level's reading is the
+    median at the request count most of its forwards had, within its time window."""
+    base = tmp_path / "forwards-graft-r1.txt"
+    monkeypatch.setenv(forward_times.FORWARD_TIMES_FILE_ENV, str(base))
+    monkeypatch.setattr(forward_times, "_sink", [])
+    clock, wall = [0.0], [1000.0]
+    monkeypatch.setattr(forward_times.time, "perf_counter", lambda: clock[-1])
+    monkeypatch.setattr(forward_times.time, "time", lambda: wall[0] + clock[-1])
+    four, two = FakeRunner("cpu", 4), FakeRunner("cpu", 2)
+    for seconds in (0.050, 0.070, 0.060):
+        _forward(four, 4, clock, seconds)
+    _forward(four, 9, clock, 0.300)  # verifies drafts: not a plain forward, not written
+    _forward(two, 2, clock, 0.040)  # the level's tail
+    forward_times._sink[0].close()
+    paths = forward_times.trace_files(base)
+    assert [p.name for p in paths] == [f"forwards-graft-r1.txt.{forward_times.os.getpid()}"]
+    records = forward_times.read_trace(paths)
+    assert [(r, round(ms, 3)) for _, r, ms in records] == [(4, 50.0), (4, 70.0), (4, 60.0), (2, 40.0)]
+    assert records[0][0] == pytest.approx(1000.0)  # when the forward started, on the client's clock
+    assert forward_times.window_reading(records, 999.0, 2000.0, min_count=3) == (pytest.approx(60.0), 4, 3)
+    assert forward_times.window_reading(records, 999.0, 2000.0, min_count=4) is None  # too few to count
+    assert forward_times.window_reading(records, 1000.04, 2000.0, min_count=1) == (pytest.approx(65.0), 4, 2)
+    assert forward_times.window_reading(records, 2000.0, 3000.0, min_count=1) is None
+    paths[0].write_text(paths[0].read_text() + "1000.9 4")  # a torn last line (the server was stopped)
+    assert len(forward_times.read_trace(paths)) == 4
+    forward_times.clear_trace(base)
+    assert forward_times.trace_files(base) == []

@@ -9,27 +9,45 @@ number of requests; :func:`read_forward_times` returns them through ``LLM.collec
 
 Off unless ``VLLM_TREESPEC_FORWARD_TIMES=1`` is set when the engine starts (the bench sets it); then it is installed
 in every process of the engine, speculative or not. A GPU forward returns before it ends, so nothing is recorded
-there.
+there. ``VLLM_TREESPEC_FORWARD_TIMES_FILE=/path/forwards.txt`` (``bench serve`` sets it for each server) also turns
+it on, and each worker appends a line per plain forward to ``/path/forwards.txt.<pid>`` — its start (wall clock, as
+``time.time()``), the requests and the milliseconds — which :func:`read_trace` and :func:`window_reading` read back
+per load level: a server has no ``collective_rpc`` to ask.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import time
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, Iterable
 
 from vllm_treespec.patches import is_patched, wrap_method
 
 FORWARD_TIMES_ENV = "VLLM_TREESPEC_FORWARD_TIMES"
+FORWARD_TIMES_FILE_ENV = "VLLM_TREESPEC_FORWARD_TIMES_FILE"
 MODEL_FORWARD_PARAMS = ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs")
 
 #: requests in the forward -> seconds of each plain decode forward of this process since the last reset
 _seconds: dict[int, list[float]] = {}
 
 
+#: [this process's trace file, or None without VLLM_TREESPEC_FORWARD_TIMES_FILE], opened at its first plain forward
+_sink: list[IO[str] | None] = []
+
+
 def enabled() -> bool:
-    return os.environ.get(FORWARD_TIMES_ENV) == "1"
+    return os.environ.get(FORWARD_TIMES_ENV) == "1" or bool(os.environ.get(FORWARD_TIMES_FILE_ENV))
+
+
+def _trace_file() -> IO[str] | None:
+    if not _sink:
+        base = os.environ.get(FORWARD_TIMES_FILE_ENV)
+        # line-buffered: a server is stopped, not asked to close its files, and each line is read after it stops
+        _sink.append(open(f"{base}.{os.getpid()}", "a", buffering=1) if base else None)  # noqa: SIM115
+    return _sink[0]
 
 
 def _forward_tokens(input_ids: Any, inputs_embeds: Any) -> int | None:
@@ -48,6 +66,9 @@ def model_forward(original, self, input_ids=None, positions=None, intermediate_t
     num_reqs = int(self.input_batch.num_reqs)
     if num_reqs > 0 and _forward_tokens(input_ids, inputs_embeds) == num_reqs:
         _seconds.setdefault(num_reqs, []).append(seconds)
+        sink = _trace_file()
+        if sink is not None:
+            sink.write(f"{time.time() - seconds:.6f} {num_reqs} {seconds * 1e3:.4f}\n")
     return output
 
 
@@ -58,6 +79,45 @@ def read_forward_times(worker: Any = None, reset: bool = False) -> dict[int, tup
     if reset:
         _seconds.clear()
     return reading
+
+
+def trace_files(base: str | Path) -> list[Path]:
+    """The files the workers wrote for ``VLLM_TREESPEC_FORWARD_TIMES_FILE=base`` (``base.<pid>``)."""
+    return sorted(Path(base).parent.glob(f"{Path(base).name}.*"))
+
+
+def clear_trace(base: str | Path) -> None:
+    """Remove an earlier run's files for ``base`` (workers append)."""
+    for path in trace_files(base):
+        path.unlink()
+
+
+def read_trace(paths: Iterable[Path]) -> list[tuple[float, int, float]]:
+    """(start, requests, ms) of every plain forward in the files, in time order (a torn line is skipped)."""
+    records = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            fields = line.split()
+            try:
+                records.append((float(fields[0]), int(fields[1]), float(fields[2])))
+            except (IndexError, ValueError):
+                continue
+    return sorted(records)
+
+
+def window_reading(records: list[tuple[float, int, float]], start: float, end: float, min_count: int
+                   ) -> tuple[float, int, int] | None:
+    """(median ms, requests, count) of the plain forwards that started in [start, end), at the request count most of
+    them had (a load level's: the others are its ramp-up and its tail); None with fewer than ``min_count``."""
+    by_reqs: dict[int, list[float]] = collections.defaultdict(list)
+    for started, reqs, ms in records:
+        if start <= started < end:
+            by_reqs[reqs].append(ms)
+    if not by_reqs:
+        return None
+    reqs = max(by_reqs, key=lambda r: (len(by_reqs[r]), r))
+    times = by_reqs[reqs]
+    return (statistics.median(times), reqs, len(times)) if len(times) >= min_count else None
 
 
 def install() -> None:

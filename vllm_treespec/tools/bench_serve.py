@@ -13,7 +13,12 @@ reverse order every other round (a fresh server each time, the same prompts), an
 round with the median output tok/s, every round's figure, the ratio to no speculation's median, and the median of
 the per-round ratios (each round against no speculation's same round, run next to it: the drift between rounds
 cancels, and the alternating order charges neither the drift within a round nor what a server leaves behind to one
-method).
+method). Each server's worker also writes the time of every plain decode forward
+(:mod:`vllm_treespec.patches.forward_times`, ``VLLM_TREESPEC_FORWARD_TIMES_FILE``), and each level reports its
+server's median plain forward at the level's usual request count and, with rounds, the paired ratio at equal engine
+speed: each round's ratio times the method's median plain forward over no speculation's in that round (servers of one
+configuration started minutes apart run at different speeds for their whole life; the raw paired ratio stays the
+figure of record).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from typing import Any, Sequence
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
+from vllm_treespec.patches import forward_times
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import (ALLOW_TRAINING_PROMPTS_HELP, check_held_out, check_prompt_lengths,
                                        load_questions, load_tokenizer)
-from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order, unavailable_reason
+from vllm_treespec.tools.bench import MIN_PLAIN_FORWARDS, never_drafting_labels, parse_methods, round_order
+from vllm_treespec.tools.bench import unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import off_the_workers_cpus
 from vllm_treespec.tools.serving import request
@@ -93,7 +100,9 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     log_path = out_dir / f"server-{spec.label}.log"
     trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
     trace.clear(trace_path)
-    env = {TRACE_ENV: str(trace_path)}
+    forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
+    forward_times.clear_trace(forwards_path)
+    env = {TRACE_ENV: str(trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(forwards_path)}
     if spec.label in args.plain:
         env[NEVER_DRAFT_ENV] = "1"
     server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path, env=env)
@@ -133,7 +142,19 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     finally:
         server.stop()
     add_budget_trace(entry, trace.files(trace_path), windows)
+    add_forward_times(entry, forward_times.read_trace(forward_times.trace_files(forwards_path)), windows)
     return entry
+
+
+def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, float]],
+                      windows: dict[str, tuple[float, float]]) -> None:
+    """Each level's ``plain_forward``: the server's median plain forward at the level's usual request count
+    (``{"ms", "reqs", "count"}``), None where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+    for level, (start, end) in windows.items():
+        if level in entry["levels"]:
+            reading = forward_times.window_reading(records, start, end, MIN_PLAIN_FORWARDS)
+            entry["levels"][level]["plain_forward"] = (
+                None if reading is None else {"ms": reading[0], "reqs": reading[1], "count": reading[2]})
 
 
 def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
@@ -161,7 +182,9 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         per_round = [r["levels"][level] for r in rounds]
         rates = [s["output_tok_per_s"] for s in per_round]
         median = statistics.median_low(rates)
-        merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates}
+        merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates,
+                                   "rounds_plain_forward_ms": [(s.get("plain_forward") or {}).get("ms")
+                                                               for s in per_round]}
     return merged
 
 
@@ -181,6 +204,13 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
             if len(mine) > 1 and len(mine) == len(theirs) and min(theirs) > 0:
                 s["rounds_vs_none"] = [x / y for x, y in zip(mine, theirs)]
                 s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
+                mine_ms = s.get("rounds_plain_forward_ms", [])
+                theirs_ms = (b or {}).get("rounds_plain_forward_ms", [])
+                if len(mine_ms) == len(mine) and len(theirs_ms) == len(mine) and None not in mine_ms + theirs_ms:
+                    # each server's tok/s at the speed of the other: times its plain forward over the other's
+                    s["rounds_vs_none_equal_speed"] = [ratio * a / b for ratio, a, b in
+                                                       zip(s["rounds_vs_none"], mine_ms, theirs_ms)]
+                    s["vs_none_paired_equal_speed"] = statistics.median(s["rounds_vs_none_equal_speed"])
 
 
 def verify_share(budget: dict[str, Any] | None) -> str:
@@ -190,8 +220,9 @@ def verify_share(budget: dict[str, Any] | None) -> str:
 
 
 def format_table(methods: list[dict[str, Any]]) -> str:
-    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "req/s", "TTFT p50", "TTFT p99",
-              "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "rounds tok/s"]
+    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "paired, eq. speed", "req/s",
+              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "rounds tok/s",
+              "plain fwd"]
     table = [header]
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
     for m in methods:
@@ -201,11 +232,14 @@ def format_table(methods: list[dict[str, Any]]) -> str:
         for level, s in m["levels"].items():
             ratio = f"{s['vs_none']:.2f}x" if "vs_none" in s else "-"
             paired = f"{s['vs_none_paired']:.2f}x" if "vs_none_paired" in s else "-"
+            equal = f"{s['vs_none_paired_equal_speed']:.2f}x" if "vs_none_paired_equal_speed" in s else "-"
             rounds = " / ".join(f"{v:.1f}" for v in s.get("rounds_tok_per_s", []))
+            forwards = s.get("rounds_plain_forward_ms") or [(s.get("plain_forward") or {}).get("ms")]
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
-                          ratio, paired, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]), ms(s["ttft_s"]["p99"]),
-                          ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
-                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), rounds or "-"])
+                          ratio, paired, equal, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),
+                          ms(s["ttft_s"]["p99"]), ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
+                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), rounds or "-",
+                          " / ".join("-" if v is None else f"{v:.1f}" for v in forwards) + " ms"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]
