@@ -214,6 +214,20 @@ def test_the_compiled_prediction_is_the_numpy_one(per_context):
         model.observe(int(rng.integers(1, 40)), 1, float(rng.uniform(0.03, 0.2)), drafts=observations % 2)
 
 
+def test_without_numba_the_prediction_takes_the_numpy_path(monkeypatch):
+    """The GPU machine's standalone scripts import the model where Numba is missing."""
+    from vllm_treespec.cost import model as model_module
+
+    model = StepCostModel.fit(samples_of(cpu_like))
+    model.observe(8, 1, 0.2, drafts=3)
+    tokens = np.array([1.0, 4.0, 9.0, 70.0])
+    compiled = model.predict_many(tokens, 2, 0.0, 4)
+    monkeypatch.setattr(model_module, "_KERNEL", [None])
+    np.testing.assert_allclose(model.predict_many(tokens, 2, 0.0, 4), compiled, rtol=1e-12)
+    np.testing.assert_allclose(model.predict_many(tokens, 2, 0.0, 4), numpy_prediction(model, tokens, 2, 0.0, 4),
+                               rtol=0)
+
+
 def test_curve_model_for_a_drafter():
     drafter = CurveModel.fit([StepSample(1, r, 0.002 * r) for r in (1, 2, 4, 8) for _ in range(3)])
     assert drafter.predict(6) == pytest.approx(0.012)
