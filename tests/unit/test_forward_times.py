@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_treespec.cost import trace
 from vllm_treespec.patches import forward_times
 
 
@@ -66,7 +67,7 @@ def test_a_server_writes_its_plain_forwards_and_a_level_reads_its_window(monkeyp
     _forward(four, 9, clock, 0.300)  # verifies drafts: not a plain forward, not written
     _forward(two, 2, clock, 0.040)  # the level's tail
     forward_times._sink[0].close()
-    paths = forward_times.trace_files(base)
+    paths = trace.files(base)
     assert [p.name for p in paths] == [f"forwards-graft-r1.txt.{forward_times.os.getpid()}"]
     records = forward_times.read_trace(paths)
     assert [(r, round(ms, 3)) for _, r, ms in records] == [(4, 50.0), (4, 70.0), (4, 60.0), (2, 40.0)]
@@ -77,5 +78,5 @@ def test_a_server_writes_its_plain_forwards_and_a_level_reads_its_window(monkeyp
     assert forward_times.window_reading(records, 2000.0, 3000.0, min_count=1) is None
     paths[0].write_text(paths[0].read_text() + "1000.9 4")  # a torn last line (the server was stopped)
     assert len(forward_times.read_trace(paths)) == 4
-    forward_times.clear_trace(base)
-    assert forward_times.trace_files(base) == []
+    trace.clear(base)
+    assert trace.files(base) == []

@@ -12,7 +12,8 @@ in every process of the engine, speculative or not. A GPU forward returns before
 there. ``VLLM_TREESPEC_FORWARD_TIMES_FILE=/path/forwards.txt`` (``bench serve`` sets it for each server) also turns
 it on, and each worker appends a line per plain forward to ``/path/forwards.txt.<pid>`` — its start (wall clock, as
 ``time.time()``), the requests and the milliseconds — which :func:`read_trace` and :func:`window_reading` read back
-per load level: a server has no ``collective_rpc`` to ask.
+per load level (the files are named as the budget trace's: :func:`vllm_treespec.cost.trace.files` lists them): a
+server has no ``collective_rpc`` to ask.
 """
 
 from __future__ import annotations
@@ -79,17 +80,6 @@ def read_forward_times(worker: Any = None, reset: bool = False) -> dict[int, tup
     if reset:
         _seconds.clear()
     return reading
-
-
-def trace_files(base: str | Path) -> list[Path]:
-    """The files the workers wrote for ``VLLM_TREESPEC_FORWARD_TIMES_FILE=base`` (``base.<pid>``)."""
-    return sorted(Path(base).parent.glob(f"{Path(base).name}.*"))
-
-
-def clear_trace(base: str | Path) -> None:
-    """Remove an earlier run's files for ``base`` (workers append)."""
-    for path in trace_files(base):
-        path.unlink()
 
 
 def read_trace(paths: Iterable[Path]) -> list[tuple[float, int, float]]:

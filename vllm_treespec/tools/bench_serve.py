@@ -101,7 +101,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
     trace.clear(trace_path)
     forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
-    forward_times.clear_trace(forwards_path)
+    trace.clear(forwards_path)  # workers append to <path>.<pid>, as the budget trace's
     env = {TRACE_ENV: str(trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(forwards_path)}
     if spec.label in args.plain:
         env[NEVER_DRAFT_ENV] = "1"
@@ -142,7 +142,7 @@ def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, o
     finally:
         server.stop()
     add_budget_trace(entry, trace.files(trace_path), windows)
-    add_forward_times(entry, forward_times.read_trace(forward_times.trace_files(forwards_path)), windows)
+    add_forward_times(entry, forward_times.read_trace(trace.files(forwards_path)), windows)
     return entry
 
 
