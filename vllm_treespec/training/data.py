@@ -32,13 +32,17 @@ def _eval_texts() -> list[str]:
     return [t for t in texts if len(t) >= 40]
 
 
-def _training_questions(num: int, max_prompt_chars: int) -> list[tuple[int, dict]]:
-    """(position in ShareGPT's seeded shuffle, question) of the training prompts."""
+def _training_questions(num: int, max_prompt_chars: int, first: int = SHAREGPT_EVAL_PREFIX
+                        ) -> list[tuple[int, dict]]:
+    """(position in ShareGPT's seeded shuffle, question) of the training prompts, from position ``first`` on."""
     from vllm_treespec.tools.data import sharegpt
 
+    if first < SHAREGPT_EVAL_PREFIX:
+        raise ValueError(f"--prompts-from {first}: training prompts start at position {SHAREGPT_EVAL_PREFIX} or later "
+                         f"(benchmarks draw from the first {SHAREGPT_EVAL_PREFIX})")
     probes = _eval_texts()
     out = []
-    for position, q in enumerate(sharegpt(seed=0)[SHAREGPT_EVAL_PREFIX:], start=SHAREGPT_EVAL_PREFIX):
+    for position, q in enumerate(sharegpt(seed=0)[first:], start=first):
         text = q["turns"][0]
         if not text.strip() or len(text) > max_prompt_chars or any(p in text for p in probes):
             continue
@@ -48,24 +52,26 @@ def _training_questions(num: int, max_prompt_chars: int) -> list[tuple[int, dict
     return out
 
 
-def training_prompts(num: int, max_prompt_chars: int = 2000) -> list[dict]:
+def training_prompts(num: int, max_prompt_chars: int = 2000, first: int = SHAREGPT_EVAL_PREFIX) -> list[dict]:
     """ShareGPT first turns for training, outside the benchmark prefix and free of eval questions."""
-    return [q for _position, q in _training_questions(num, max_prompt_chars)]
+    return [q for _position, q in _training_questions(num, max_prompt_chars, first)]
 
 
-def training_prompt_span(num: int, max_prompt_chars: int = 2000) -> tuple[int, int]:
+def training_prompt_span(num: int, max_prompt_chars: int = 2000, first: int = SHAREGPT_EVAL_PREFIX
+                         ) -> tuple[int, int]:
     """``[first, stop)`` of ShareGPT's seeded shuffle that ``training_prompts(num)`` draws from: recorded in the head's
     config so that benchmarks can refuse prompts the head was trained on (:mod:`vllm_treespec.tools.held_out`)."""
-    questions = _training_questions(num, max_prompt_chars)
+    questions = _training_questions(num, max_prompt_chars, first)
     if not questions:
-        return SHAREGPT_EVAL_PREFIX, SHAREGPT_EVAL_PREFIX
+        return first, first
     return questions[0][0], questions[-1][0] + 1
 
 
-def generate(model_dir: str, out_path: Path, num_prompts: int, max_tokens: int, batch: int = 64) -> Path:
-    """Greedy answers of the target to ``num_prompts`` training prompts, as JSON lines
-    ``{question_id, prompt_ids, output_ids}``. Resumable: finished question ids are skipped."""
-    questions = [(q["question_id"], q["turns"][0]) for q in training_prompts(num_prompts)]
+def generate(model_dir: str, out_path: Path, num_prompts: int, max_tokens: int, batch: int = 64,
+             first: int = SHAREGPT_EVAL_PREFIX) -> Path:
+    """Greedy answers of the target to ``num_prompts`` training prompts from position ``first`` of the shuffle, as
+    JSON lines ``{question_id, prompt_ids, output_ids}``. Resumable: finished question ids are skipped."""
+    questions = [(q["question_id"], q["turns"][0]) for q in training_prompts(num_prompts, first=first)]
     return generate_answers(model_dir, questions, out_path, max_tokens, batch=batch)
 
 

