@@ -45,17 +45,28 @@ def plan(argv, model_dir):
     return training_plan(build_parser().parse_args(["-o", "unused", *argv]), model_dir, "SmolLM2-135M-Instruct")
 
 
-def test_new_prompts_follow_the_heads_own_and_the_span_covers_both(smollm2_dir):
-    shipped = shipped_head_path()
+def test_new_prompts_follow_the_heads_own_and_the_span_covers_both(tmp_path, smollm2_dir):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"treespec_training": {"sharegpt_positions": [1000, 2169]}}))
     assert plan([], smollm2_dir) == (None, 1000, (1000, 2169))
-    init, first, span = plan(["--init-from", "shipped"], smollm2_dir)
-    assert (init, first, span[0]) == (shipped, 2169, 1000) and span[1] > 3000
-    assert plan(["--init-from", str(shipped), "--num-prompts", "8"], smollm2_dir)[1:] == (2169, (1000, 2179))
+    init, first, span = plan(["--init-from", str(head)], smollm2_dir)
+    assert (init, first, span[0]) == (head, 2169, 1000) and span[1] > 3000
+    assert plan(["--init-from", str(head), "--num-prompts", "8"], smollm2_dir)[1:] == (2169, (1000, 2179))
     # overlapping prompts are allowed (the span stays one interval); a gap is refused before any work
-    assert plan(["--init-from", "shipped", "--prompts-from", "1500", "--num-prompts", "8"], smollm2_dir)[1:] == \
+    assert plan(["--init-from", str(head), "--prompts-from", "1500", "--num-prompts", "8"], smollm2_dir)[1:] == \
         (1500, (1000, 2169))
     with pytest.raises(SystemExit, match=r"--prompts-from 3000: .* would leave a gap; start at 2169 or earlier"):
-        plan(["--init-from", "shipped", "--prompts-from", "3000", "--num-prompts", "8"], smollm2_dir)
+        plan(["--init-from", str(head), "--prompts-from", "3000", "--num-prompts", "8"], smollm2_dir)
+    shipped = shipped_head_path()
+    init, first, span = plan(["--init-from", "shipped", "--num-prompts", "8"], smollm2_dir)
+    shipped_span = json.loads((shipped / "config.json").read_text())["treespec_training"]["sharegpt_positions"]
+    assert init == shipped and first == shipped_span[1] and span[0] == shipped_span[0]
+    # the first positions after a head's span may be unfit prompts (here 3340): skipped, not a gap
+    head_3340 = tmp_path / "head_3340"
+    head_3340.mkdir()
+    (head_3340 / "config.json").write_text(json.dumps({"treespec_training": {"sharegpt_positions": [1000, 3340]}}))
+    assert plan(["--init-from", str(head_3340), "--num-prompts", "8"], smollm2_dir)[1:] == (3340, (1000, 3351))
 
 
 def test_a_missing_head_or_one_for_another_model_is_refused(tmp_path, smollm2_dir):
@@ -67,3 +78,13 @@ def test_a_missing_head_or_one_for_another_model_is_refused(tmp_path, smollm2_di
                                                                         "hidden_size": 64}}))
     with pytest.raises(HeadTargetMismatch, match=r"--init-from: the draft head .*vocab size 1000 vs 49152"):
         plan(["--init-from", str(other)], smollm2_dir)
+
+
+def test_a_continued_head_records_the_head_it_started_from(tmp_path):
+    from vllm_treespec.training.train import continued_record
+
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "config.json").write_text(json.dumps({"treespec_training": {
+        "target": "/local/path", "sharegpt_positions": [1000, 2169], "steps": 852, "final_valid": {"step": 852}}}))
+    assert continued_record("shipped", first) == {"head": "shipped", "sharegpt_positions": [1000, 2169], "steps": 852}

