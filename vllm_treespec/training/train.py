@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="target model folder, or 'smollm2' (the embedded default)")
     p.add_argument("--work-dir", default=None, help="intermediate data and the resumable checkpoint "
-                   "(default: <cache>/eagle-work-<model name>)")
+                   "(default: <cache>/eagle-work-<model name>, with -from-<position> when the prompts start after "
+                   "1000)")
     p.add_argument("-o", "--out", required=True, help="output folder of the vLLM eagle3 checkpoint")
     p.add_argument("--num-prompts", type=int, default=1024, help="ShareGPT prompts the target answers")
     p.add_argument("--prompts-from", type=int, default=None, help="position in ShareGPT's seeded shuffle of the first "
