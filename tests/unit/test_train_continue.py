@@ -41,14 +41,20 @@ def smollm2_dir():
     return str(ensure_smollm2())
 
 
+def fake_head(folder, config: dict):
+    """A head folder as training_plan sees it: config.json and a weights file (not read before training)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
 def plan(argv, model_dir):
     return training_plan(build_parser().parse_args(["-o", "unused", *argv]), model_dir, "SmolLM2-135M-Instruct")
 
 
 def test_new_prompts_follow_the_heads_own_and_the_span_covers_both(tmp_path, smollm2_dir):
-    head = tmp_path / "head"
-    head.mkdir()
-    (head / "config.json").write_text(json.dumps({"treespec_training": {"sharegpt_positions": [1000, 2169]}}))
+    head = fake_head(tmp_path / "head", {"treespec_training": {"sharegpt_positions": [1000, 2169]}})
     assert plan([], smollm2_dir) == (None, 1000, (1000, 2169))
     init, first, span = plan(["--init-from", str(head)], smollm2_dir)
     assert (init, first, span[0]) == (head, 2169, 1000) and span[1] > 3000
@@ -63,19 +69,20 @@ def test_new_prompts_follow_the_heads_own_and_the_span_covers_both(tmp_path, smo
     shipped_span = json.loads((shipped / "config.json").read_text())["treespec_training"]["sharegpt_positions"]
     assert init == shipped and first == shipped_span[1] and span[0] == shipped_span[0]
     # the first positions after a head's span may be unfit prompts (here 3340): skipped, not a gap
-    head_3340 = tmp_path / "head_3340"
-    head_3340.mkdir()
-    (head_3340 / "config.json").write_text(json.dumps({"treespec_training": {"sharegpt_positions": [1000, 3340]}}))
+    head_3340 = fake_head(tmp_path / "head_3340", {"treespec_training": {"sharegpt_positions": [1000, 3340]}})
     assert plan(["--init-from", str(head_3340), "--num-prompts", "8"], smollm2_dir)[1:] == (3340, (1000, 3351))
 
 
 def test_a_missing_head_or_one_for_another_model_is_refused(tmp_path, smollm2_dir):
     with pytest.raises(SystemExit, match=r"--init-from .*missing: no head there"):
         plan(["--init-from", str(tmp_path / "missing")], smollm2_dir)
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({"treespec_target": {"name": "other", "vocab_size": 1000,
-                                                                        "hidden_size": 64}}))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match=r"--init-from .*no_weights: no head there \(config.json and weights\)"):
+        plan(["--init-from", str(no_weights)], smollm2_dir)
+    other = fake_head(tmp_path / "other", {"treespec_target": {"name": "other", "vocab_size": 1000,
+                                                                "hidden_size": 64}})
     with pytest.raises(HeadTargetMismatch, match=r"--init-from: the draft head .*vocab size 1000 vs 49152"):
         plan(["--init-from", str(other)], smollm2_dir)
 

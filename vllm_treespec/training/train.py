@@ -444,15 +444,12 @@ def training_plan(args: argparse.Namespace, model_dir: str, target_name: str
 
     init_from = None
     if args.init_from is not None:
-        if args.init_from == "shipped":
-            from vllm_treespec.eagle.default_head import shipped_head_path
+        from vllm_treespec.eagle.default_head import is_head_folder, shipped_head_path
 
-            init_from = shipped_head_path()
-        else:
-            init_from = Path(args.init_from)
-        if not (init_from / "config.json").is_file():
-            raise SystemExit(f"--init-from {args.init_from}: no head there (no config.json); pass a head folder or "
-                             "'shipped'")
+        init_from = shipped_head_path() if args.init_from == "shipped" else Path(args.init_from)
+        if not is_head_folder(init_from):
+            raise SystemExit(f"--init-from {args.init_from}: no head there (config.json and weights); pass a head "
+                             "folder or 'shipped'")
         check_head_target(init_from, identity_from_hf_config(AutoConfig.from_pretrained(model_dir), target_name),
                           "--init-from")
     before = head_training_span(init_from) if init_from is not None else None
