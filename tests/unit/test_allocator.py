@@ -361,6 +361,30 @@ def test_a_drafter_whose_rare_matches_pay_for_its_calls_drafts_every_step():
     assert rare.surplus < 0.003
 
 
+def test_what_drafting_saved_is_learnt_per_load():
+    """A saving learnt at 8 requests does not keep the drafter on at 16, where its trees do not pay: the surplus is
+    kept per power-of-two load bucket, and each bucket's starts from 0."""
+
+    class Drafter:
+        def predict(self, x):
+            return 0.004  # above free_share of a plain step at 8 and at 16 requests
+
+    gate = DraftGate(MIDDLE, Drafter(), probe_every=1000)
+    gate.record([star([0.05])])  # trees worth nothing at their prices
+    for _ in range(40):  # at 8 requests every allocation was a sure match: it saved 3 tokens of plain decoding
+        gate.should_draft(8)
+        gate.allocated(allocate([star([1.0, 1.0, 1.0])], MIDDLE))
+        gate.verified(3)
+    saved_at_8 = gate.surplus
+    assert saved_at_8 > 0.004 and gate.should_draft(8)  # it saved more than its call costs
+    best, plain = gate.expected_best(16, drafter_seconds=0.004)
+    assert best < plain
+    assert not gate.should_draft(16) and gate.surplus == 0.0  # nothing learnt at 16: plain decoding
+    assert not gate.should_draft(12)  # the same bucket
+    assert gate.should_draft(7) and gate.surplus == saved_at_8  # back at 5-8 requests, its saving still counts
+    assert gate.surplus_by_load == {8: saved_at_8}
+
+
 def test_the_gate_prices_trees_at_the_verifiers_expectation_correction():
     """Trees recorded with ``scale`` (the verifier's accepted-over-expected correction) are worth that much less: a
     drafter that pays on its raw numbers does not when the verifier will discount them."""

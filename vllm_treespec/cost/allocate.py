@@ -256,6 +256,11 @@ def _zero_padded_sum(arrays: Sequence[np.ndarray], size: int = 0) -> np.ndarray:
     return out
 
 
+def load_bucket(num_reqs: int) -> int:
+    """The power of two at or above ``num_reqs``: the load a drafter gate's saving is learnt for (1, 2, 4, 8, ...)."""
+    return 1 << max(int(num_reqs) - 1, 0).bit_length()
+
+
 class DrafterCost(Protocol):
     def predict(self, x: float) -> float | None: ...
 
@@ -274,7 +279,10 @@ class DraftGate:
     next probe. So does a drafter whose recent allocations saved more seconds per call than the call costs
     (:meth:`allocated`, :meth:`verified`: measured from what the target accepted): the mean of its trees' gains
     hides a drafter whose trees are worthless on most steps and pay well on a few (a retrieval match every tenth
-    step); what each allocation saved, averaged over the steps, does not.
+    step); what each allocation saved, averaged over the steps, does not. That saving is learnt per load: by the
+    drafting requests' power-of-two bucket (:func:`load_bucket`). What drafting saved at 8 requests says nothing of
+    16, where a verified token costs more beside a longer step: one surplus for every load kept a served head
+    drafting for the first 24 steps of a 16-request level on what it had saved at 8, each call admitting nothing.
 
     A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
     and a probe adds to its step as many nodes as that pays for, best first, whether they pay at their prices or not
@@ -294,11 +302,13 @@ class DraftGate:
         self.cost = cost
         self.free_share = free_share
         self.surplus_alpha = surplus_alpha
-        #: seconds per drafted step its allocations saved against plain decoding, measured from their outcomes and
-        #: exponentially weighted from 0 (one lucky probe does not start a run of calls; a sure match, saving whole
-        #: steps, does)
-        self.surplus = 0.0
-        self._pending: tuple[float, float, float] | None = None  # the last allocation, until its outcome arrives
+        #: by load bucket (load_bucket): seconds per drafted step its allocations saved against plain decoding,
+        #: measured from their outcomes and exponentially weighted from 0 (one lucky probe does not start a run of
+        #: calls; a sure match, saving whole steps, does)
+        self.surplus_by_load: dict[int, float] = {}
+        self._load = 1  # the load bucket of the last decision: the one its allocation's saving is learnt for
+        #: the last allocation (its load bucket, base tokens, plain rate, seconds), until its outcome arrives
+        self._pending: tuple[int, float, float, float] | None = None
         self.drafter_cost = drafter_cost
         self.alpha = alpha
         self.probe_every = probe_every
@@ -337,6 +347,11 @@ class DraftGate:
             self._prefix = (key, np.arange(gains.size + 1), num_reqs + np.concatenate([[0.0], np.cumsum(gains)]))
         return self._prefix[1], self._prefix[2]
 
+    @property
+    def surplus(self) -> float:
+        """What drafting saved per drafted step lately, at the load of the last decision (0 where never learnt)."""
+        return self.surplus_by_load.get(self._load, 0.0)
+
     def record(self, trees: Sequence[DraftTree | None], scale: float = 1.0) -> None:
         """Learn from one step's proposals: the mean over requests of each tree's path probabilities, best first
         (the gain of a request's j-th best node), each path probability scaled by ``scale`` (at most 1): the
@@ -359,10 +374,10 @@ class DraftGate:
         (the tree work a probe is priced without) added to its step."""
         self._pending = None
         if allocation is None or not allocation.total_nodes or allocation.plain_rate <= 0:
-            self._learn_saving(0.0)
+            self._learn_saving(self._load, 0.0)
             return
         base_tokens = allocation.expected_tokens - allocation.admitted_gain
-        self._pending = (base_tokens, allocation.plain_rate, allocation.seconds + extra_seconds)
+        self._pending = (self._load, base_tokens, allocation.plain_rate, allocation.seconds + extra_seconds)
 
     def verified(self, accepted: int | None) -> None:
         """The last allocation's outcome: ``accepted`` drafts (None: none was verified). What it saved is the
@@ -372,11 +387,12 @@ class DraftGate:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        base_tokens, plain_rate, seconds = pending
-        self._learn_saving((base_tokens + accepted) / plain_rate - seconds if accepted is not None else 0.0)
+        load, base_tokens, plain_rate, seconds = pending
+        self._learn_saving(load, (base_tokens + accepted) / plain_rate - seconds if accepted is not None else 0.0)
 
-    def _learn_saving(self, saved: float) -> None:
-        self.surplus = (1 - self.surplus_alpha) * self.surplus + self.surplus_alpha * saved
+    def _learn_saving(self, load: int, saved: float) -> None:
+        old = self.surplus_by_load.get(load, 0.0)
+        self.surplus_by_load[load] = (1 - self.surplus_alpha) * old + self.surplus_alpha * saved
 
     def expected_best(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                       drafter_seconds: float = 0.0, row_excess: float | None = None) -> tuple[float, float]:
@@ -399,6 +415,7 @@ class DraftGate:
         self.last_rates = None
         if num_reqs <= 0:
             return False
+        self._load = load_bucket(num_reqs)
         if self.marginal is None:  # nothing known yet: draft, and learn
             return self._probe(None)
         measured = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
