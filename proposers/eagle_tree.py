@@ -131,6 +131,7 @@ class EagleTreeProposer(TreeProposer):
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         ready = self.drafter.ingest(ctx)
+        ctx.deferred_seconds = self.drafter.catch_up_seconds  # rows earlier steps left: not this call's price
         want = [i for i in ready if ctx.needs_draft(i)]
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if want and ctx.max_nodes > 0:

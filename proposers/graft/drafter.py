@@ -43,6 +43,11 @@ class ModelDrafter(abc.ABC):
     def release(self, req_ids: set[str]) -> None:
         """Requests that finished; drop their state."""
 
+    @property
+    def catch_up_seconds(self) -> float:
+        """Seconds the last :meth:`ingest` spent on rows that steps without drafts left (not this step's price)."""
+        return 0.0
+
     @abc.abstractmethod
     def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
         """Scored trees (``node_probs`` given) of at most ``ctx.max_nodes`` nodes for the batch rows ``rows``; a row
@@ -77,6 +82,10 @@ class EagleModelDrafter(ModelDrafter):
 
     def release(self, req_ids: set[str]) -> None:
         self.drafter.release(req_ids)
+
+    @property
+    def catch_up_seconds(self) -> float:
+        return self.drafter.catch_up_seconds
 
     def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
         return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below)

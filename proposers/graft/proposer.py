@@ -200,7 +200,10 @@ class GraftProposer(TreeProposer):
             self.stats.retrieval_only_steps += 1
         model_drafts = self._model_drafts(ctx, rows, budget) if use_drafter else {}
         if use_drafter:
-            head_seconds = time.perf_counter() - started
+            # the head's writes of rows that steps without drafts left are priced by neither gate: drafting for those
+            # requests at any later step would pay them too
+            ctx.deferred_seconds = self.drafter.catch_up_seconds
+            head_seconds = time.perf_counter() - started - ctx.deferred_seconds
             self.head_cost.observe(len(rows), head_seconds)
             ctx.self_gated_seconds = head_seconds  # priced by the head's own gate (head_drafts), not the verifier's
         floor = self.floor(ctx)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eagle_helpers import HIDDEN, VOCAB, check_chain_matches_unrolled_forward, draft_context, small_head
+from vllm_treespec.api import ProposeContext
 from vllm_treespec.eagle.drafter import EagleDrafter, _contiguous_runs
 from vllm_treespec.eagle.model import Eagle3Head
 from vllm_treespec.proposers.eagle_tree import EagleTreeOptions
@@ -365,9 +366,10 @@ def test_deferred_segments_are_written_in_contiguous_runs():
     assert _contiguous_runs(pieces) == [(0, 10, 4), (0, 20, 2), (1, 5, 2), (0, 22, 1)]
 
 
-def test_ingest_writes_every_row_and_attends_only_for_rows_that_draft(tmp_path):
-    """A row that does not draft this step (a partial prefill, or one a probe does not ask: ``ctx.draft_rows``)
-    still has its K/V written, so a later draft sees the whole context; only rows that draft get a depth-1 output."""
+def test_ingest_keeps_the_rows_of_requests_that_do_not_draft_until_they_do(tmp_path):
+    """A row that does not draft this step (a partial prefill, or one a probe does not ask: ``ctx.draft_rows``) keeps
+    its rows for later, as a step that only observes does; the step where it drafts writes them with its own, so its
+    draft sees the whole context. Only rows that draft get a depth-1 output."""
     head, path = small_head(tmp_path, seed=5)
     seq = np.random.default_rng(5).integers(0, VOCAB, size=40)
     aux = torch.randn(40, 3, HIDDEN)
@@ -376,7 +378,67 @@ def test_ingest_writes_every_row_and_attends_only_for_rows_that_draft(tmp_path):
     ctx = draft_context(seq, aux, 0, 20, sampled=[int(seq[20])])
     ctx.draft_rows = np.array([False])
     assert drafter.ingest(ctx) == []
-    state = drafter.states["r"]
-    assert state.length == 20 and bool(state.written[:20].all()) and state.last_normed is None
+    assert "r" not in drafter.states and drafter._deferred_rows == 20 and drafter.catch_up_seconds >= 0
     ctx = draft_context(seq, aux, 20, 30, sampled=[int(seq[30])])
-    assert drafter.ingest(ctx) == [0] and state.length == 30 and state.last_normed is not None
+    assert drafter.ingest(ctx) == [0]
+    state = drafter.states["r"]
+    assert state.length == 30 and bool(state.written[:30].all()) and state.last_normed is not None
+    assert drafter._deferred_rows == 0 and 0 < drafter.catch_up_seconds
+
+
+def two_request_context(seqs, auxes, spans, drafting) -> ProposeContext:
+    """Requests "a" and "b": request j's rows for positions spans[j] of its own sequence and aux hidden states;
+    ``drafting``: which of them need a draft."""
+    tokens = np.zeros((2, 256), np.int64)
+    rows, starts, ends, positions = [], [], [], []
+    for j, ((start, stop), seq, aux) in enumerate(zip(spans, seqs, auxes)):
+        tokens[j, : stop + 1] = seq[: stop + 1]
+        starts.append(sum(b - a for a, b in spans[:j]))
+        ends.append(starts[-1] + stop - start - 1)
+        positions.append(start)
+        rows.append(aux[start:stop])
+    aux_rows = torch.cat(rows)
+    return ProposeContext(req_ids=["a", "b"], sampled_token_ids=[[int(s[b])] for s, (_, b) in zip(seqs, spans)],
+                          num_tokens=np.array([b + 1 for _, b in spans]), token_ids=tokens, max_nodes=64,
+                          aux_hidden_states=[aux_rows[:, k] for k in range(aux_rows.shape[1])],
+                          hidden_row_index=np.array(ends), hidden_row_start=np.array(starts),
+                          hidden_position_start=np.array(positions), draft_rows=np.array(drafting))
+
+
+def test_a_request_the_head_does_not_draft_for_costs_no_writes(tmp_path, monkeypatch):
+    """On a busy server the head drafts for few requests: the others' rows are written only when it drafts for them,
+    and never if they finish first; their drafts are then the trees of a drafter that wrote every row at once. One
+    request's rows past ``DEFERRED_ROWS_PER_REQUEST`` are written without the others'."""
+    head, path = small_head(tmp_path, seed=11)
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(0, VOCAB, size=48) for _ in range(2)]
+    auxes = [torch.randn(48, 3, HIDDEN) for _ in range(2)]
+    spans = [(0, 10), (10, 11), (11, 12), (12, 18), (18, 26)]
+
+    def run(drafting_b):
+        drafter = EagleDrafter(path, depth=4, top_k=4)
+        drafter.load(head.embed.weight)
+        for step, span in enumerate(spans):
+            ctx = two_request_context(seqs, auxes, [span, span], [True, drafting_b(step)])
+            drafter.ingest(ctx)
+        return drafter, ctx
+
+    eager, ctx = run(lambda step: True)
+    lazy, _ = run(lambda step: step == len(spans) - 1)
+    want = eager.draft(ctx, [1], budget=24)[1]
+    got = lazy.draft(ctx, [1], budget=24)[1]
+    assert got.token_ids.tolist() == want.token_ids.tolist() and got.parents.tolist() == want.parents.tolist()
+    assert got.node_probs == pytest.approx(want.node_probs, rel=1e-5)
+
+    never, _ = run(lambda step: False)
+    assert "b" not in never.states and never._deferred_rows == 26  # all of b's rows wait, none written
+    assert never.states["a"].length == 26
+    never.release({"b"})
+    assert never._deferred_rows == 0 and not never._deferred  # finished: its rows are dropped unwritten
+
+    monkeypatch.setattr("vllm_treespec.eagle.drafter.DEFERRED_ROWS_PER_REQUEST", 16)
+    capped, _ = run(lambda step: False)
+    # b's 18 rows after its fourth step went at once; its last 8 wait
+    assert capped.states["b"].length == 18 and capped._deferred_rows == 8
+
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -622,6 +623,33 @@ def test_under_a_step_budget_graft_drafts_its_full_budget_without_a_floor():
     tree = p.propose_trees(make_ctx([[1, 2, 3]]))[0]
     assert tree.node_sources is not None and set(tree.node_sources.tolist()) <= set(range(len(p.acceptance_sources)))
     assert p.acceptance_sources[tree.node_sources[0]] == "successor" and tree.node_probs[0] == pytest.approx(0.6)
+
+
+def test_a_heads_catch_up_on_rows_of_steps_without_drafts_is_priced_by_neither_gate():
+    """The head writes the rows that steps without drafts left when it next drafts for their requests: that time is
+    the earlier steps' work, so graft's head gate times the call without it and the verifier is told to leave it out
+    too (``ctx.deferred_seconds``)."""
+
+    class CatchingUpDrafter(ScriptedDrafter):
+        catch_up = 0.0
+
+        def ingest(self, ctx):
+            time.sleep(self.catch_up)
+
+        @property
+        def catch_up_seconds(self):
+            return self.catch_up
+
+    drafter = CatchingUpDrafter({i: [0.9, 0.9] for i in range(2)})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+    p.head_cost.warmup = 0
+    ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+    ctx.step_cost = Linear(0.05, 0.001)
+    ctx.probing = True  # the head drafts
+    drafter.catch_up = 0.05
+    p.propose_trees(ctx)
+    assert ctx.deferred_seconds == 0.05
+    assert 0 < ctx.self_gated_seconds < 0.04 and p.head_cost.predict(2) == pytest.approx(ctx.self_gated_seconds)
 
 
 def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():

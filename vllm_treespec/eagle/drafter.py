@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -80,8 +81,11 @@ def activation_dtype(mode: str) -> torch.dtype:
     return torch.float32 if mode == "int8" else getattr(torch, mode)
 
 
-#: observed rows kept before their K/V are written anyway (bounds the memory of a long spell without drafts)
-DEFERRED_ROWS = 256
+#: observed rows (all requests) kept before their K/V are written anyway: bounds the memory of a long spell without
+#: drafts (a row holds the target's aux hidden states: 3 x 576 values for SmolLM2, 7 KB in fp32)
+DEFERRED_ROWS = 8192
+#: one request's observed rows kept before its own are written (its next draft then catches up on fewer)
+DEFERRED_ROWS_PER_REQUEST = 1024
 
 
 class EagleDrafter:
@@ -108,9 +112,14 @@ class EagleDrafter:
         self.head = None
         self.states: dict[str, _RequestState] = {}
         self._tick = 0
-        #: committed rows of steps that did not draft, by request: (aux hidden rows, tokens, positions), in order
+        #: committed rows not written yet, by request: (aux hidden rows, tokens, positions), in order. A request's
+        #: rows are written when the head drafts for it (or past DEFERRED_ROWS_PER_REQUEST / DEFERRED_ROWS), so a
+        #: request the head never drafts for again (a busy server's) never costs their writes
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
         self._deferred_rows = 0  # rows in _deferred
+        #: seconds the last ingest spent writing rows deferred from earlier steps (their share of its batched write):
+        #: work the steps that did not draft left, not a price of this step's drafts
+        self.catch_up_seconds = 0.0
         #: skip frontier nodes that cannot reach the kept tree (exact; off only to test that it is exact)
         self.prune_frontier = True
         #: head rows drafted past depth 1 (expansion work), for tests and profiling
@@ -266,19 +275,25 @@ class EagleDrafter:
     # --- step 1: ingest committed rows ------------------------------------------------------------------------
     def observe(self, ctx: ProposeContext) -> None:
         """A step that does not draft: keep its committed rows (the target's aux hidden states, tokens, positions)
-        to write their K/V at the next :meth:`ingest`, in one batch with that step's rows, or once
-        :data:`DEFERRED_ROWS` rows wait. A row never written stays masked out of every later draft; writing each
-        step's rows at once costs ~3% of a 16-request step in small GEMMs and op dispatch."""
+        to write their K/V when the head next drafts for their request, in one batch with that step's rows. A row
+        never written stays masked out of every later draft. Writing every request's rows each step cost ~3% of a
+        16-request step in small GEMMs and op dispatch, and a busy server's head drafts for few of them again."""
         if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
             return
-        segments = self._segments(ctx)
-        if not segments:
-            return
+        self._defer(ctx, self._segments(ctx))
+
+    def _defer(self, ctx: ProposeContext, segments: list[tuple[int, Any, np.ndarray, np.ndarray]]) -> None:
+        """Keep ``segments`` for a later write; write now the requests past their limit (all, past the total's)."""
         for i, aux, tokens, positions in segments:
             self._deferred.setdefault(ctx.req_ids[i], []).append((aux, tokens, positions))
             self._deferred_rows += len(positions)
         if self._deferred_rows >= DEFERRED_ROWS:
             self._write_segments(ctx, [])
+            return
+        full = {ctx.req_ids[i] for i, _, _, _ in segments
+                if sum(len(p) for _, _, p in self._deferred.get(ctx.req_ids[i], ())) >= DEFERRED_ROWS_PER_REQUEST}
+        if full:
+            self._write_segments(ctx, [], requests=full)
 
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
         """(batch row, aux hidden rows [n, n_aux * H] (a copy), tokens, positions) of every request's newly
@@ -295,22 +310,29 @@ class EagleDrafter:
         return out
 
     def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]],
-                        asked: Sequence[int] = ()):
-        """Write the K/V of every deferred segment of the requests in ``ctx`` and of ``current`` (this step's rows)
-        in one batch through the head's layer inputs, a request's consecutive segments as one write. Returns the
-        head's hidden rows and queries at the last row of the current segments of batch rows ``asked`` (the rows
-        :meth:`ingest` attends from), in that order; queries of the other rows are never computed."""
+                        asked: Sequence[int] = (), requests: set[str] | None = None):
+        """Write the K/V of ``current`` (this step's rows) and of the deferred segments of their requests (and of
+        ``requests``; None: of every request in ``ctx``) in one batch through the head's layer inputs, a request's
+        consecutive segments as one write. Returns the head's hidden rows and queries at the last row of the current
+        segments of batch rows ``asked`` (the rows :meth:`ingest` attends from), in that order; queries of the other
+        rows are never computed. Sets :attr:`catch_up_seconds` to the deferred rows' share of its time."""
+        started = time.perf_counter()
         row_of = {req_id: i for i, req_id in enumerate(ctx.req_ids)}
         current_of = {ctx.req_ids[segment[0]]: segment for segment in current}
+        writes = set(current_of) | (set(row_of) if requests is None else set(requests) & set(row_of))
         pieces: list[tuple[int, Any, np.ndarray, np.ndarray]] = []
         current_piece: dict[str, int] = {}  # request -> index of its current segment in pieces
-        for req_id in [r for r in self._deferred if r in row_of] + [r for r in current_of if r not in self._deferred]:
+        caught_up = 0  # deferred rows among the pieces
+        for req_id in [r for r in self._deferred if r in writes] + [r for r in current_of if r not in self._deferred]:
             deferred = [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id, ())]
-            self._deferred_rows -= sum(len(p) for _, _, _, p in deferred)
+            rows = sum(len(p) for _, _, _, p in deferred)
+            self._deferred_rows -= rows
+            caught_up += rows
             pieces += deferred
             if req_id in current_of:
                 current_piece[req_id] = len(pieces)
                 pieces.append(current_of[req_id])
+        self.catch_up_seconds = 0.0
         if not pieces:
             return None, None
         ends = np.cumsum([len(p) for _, _, _, p in pieces])  # one past each piece's last row in the batch
@@ -325,16 +347,23 @@ class EagleDrafter:
             for i, p0, n in _contiguous_runs(pieces):
                 self._write_committed(ctx, i, p0, n, k[offset: offset + n], v[offset: offset + n])
                 offset += n
+        self.catch_up_seconds = (time.perf_counter() - started) * caught_up / int(ends[-1])
         return hidden[query_rows], q
 
     def ingest(self, ctx: ProposeContext) -> list[int]:
-        """Feed every request's committed rows (and those deferred by :meth:`observe`); returns the batch rows whose
-        depth-1 output is ready: those that need a draft (``ctx.needs_draft``)."""
+        """Feed the committed rows of the requests that need a draft (``ctx.needs_draft``), with those deferred by
+        :meth:`observe`, and keep the other requests' rows as :meth:`observe` does; returns the batch rows whose
+        depth-1 output is ready: those that need a draft."""
+        self.catch_up_seconds = 0.0
         if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
             return []
-        current = self._segments(ctx)
-        rows = [i for i, _, _, _ in current if ctx.needs_draft(i)]
-        hidden, q = self._write_segments(ctx, current, rows)
+        segments = self._segments(ctx)
+        current = [segment for segment in segments if ctx.needs_draft(segment[0])]
+        rows = [segment[0] for segment in current]
+        hidden, q = self._write_segments(ctx, current, rows, requests=set())
+        caught_up, started = self.catch_up_seconds, time.perf_counter()
+        self._defer(ctx, [segment for segment in segments if not ctx.needs_draft(segment[0])])
+        self.catch_up_seconds = caught_up + time.perf_counter() - started  # a limit's write is observed rows' too
         if not rows:
             return []
         with torch.inference_mode():
