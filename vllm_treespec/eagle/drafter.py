@@ -117,6 +117,7 @@ class EagleDrafter:
         #: request the head never drafts for again (a busy server's) never costs their writes
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
         self._deferred_rows = 0  # rows in _deferred
+        self._deferred_count: dict[str, int] = {}  # rows in _deferred, by request
         #: seconds the last ingest spent writing rows deferred from earlier steps (their share of its batched write):
         #: work the steps that did not draft left, not a price of this step's drafts
         self.catch_up_seconds = 0.0
@@ -210,7 +211,8 @@ class EagleDrafter:
     def release(self, req_ids) -> None:
         for r in req_ids:
             self.states.pop(r, None)
-            self._deferred_rows -= sum(len(p) for _, _, p in self._deferred.pop(r, ()))
+            self._deferred.pop(r, None)
+            self._deferred_rows -= self._deferred_count.pop(r, 0)
 
     # --- the target's K/V (KV-aware heads) ---------------------------------------------------------------------
     def _sync_target_kv(self, ctx: ProposeContext, i: int, st: _RequestState, end: int) -> None:
@@ -284,15 +286,17 @@ class EagleDrafter:
 
     def _defer(self, ctx: ProposeContext, segments: list[tuple[int, Any, np.ndarray, np.ndarray]]) -> None:
         """Keep ``segments`` for a later write; write now the requests past their limit (all, past the total's)."""
+        full = set()
         for i, aux, tokens, positions in segments:
-            self._deferred.setdefault(ctx.req_ids[i], []).append((aux, tokens, positions))
+            req_id = ctx.req_ids[i]
+            self._deferred.setdefault(req_id, []).append((aux, tokens, positions))
             self._deferred_rows += len(positions)
+            self._deferred_count[req_id] = count = self._deferred_count.get(req_id, 0) + len(positions)
+            if count >= DEFERRED_ROWS_PER_REQUEST:
+                full.add(req_id)
         if self._deferred_rows >= DEFERRED_ROWS:
             self._write_segments(ctx, [])
-            return
-        full = {ctx.req_ids[i] for i, _, _, _ in segments
-                if sum(len(p) for _, _, p in self._deferred.get(ctx.req_ids[i], ())) >= DEFERRED_ROWS_PER_REQUEST}
-        if full:
+        elif full:
             self._write_segments(ctx, [], requests=full)
 
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
@@ -325,7 +329,7 @@ class EagleDrafter:
         caught_up = 0  # deferred rows among the pieces
         for req_id in [r for r in self._deferred if r in writes] + [r for r in current_of if r not in self._deferred]:
             deferred = [(row_of[req_id], *segment) for segment in self._deferred.pop(req_id, ())]
-            rows = sum(len(p) for _, _, _, p in deferred)
+            rows = self._deferred_count.pop(req_id, 0)
             self._deferred_rows -= rows
             caught_up += rows
             pieces += deferred
