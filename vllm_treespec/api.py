@@ -203,6 +203,9 @@ class ProposeContext:
         to pay (graft's head): the seconds of this call spent in it. The step budget's gate charges the call without
         them, so that a cheap part that drafts on every step (graft's retrieval) is priced at its own cost and not
         gated off with the expensive one.
+    useful_depth: the deepest level of a tree the step budget admitted in its recent allocations, plus one (None: no
+        allocation yet, no budget, or a probe, which drafts in full): the levels below it are seldom verified, so a
+        drafter that pays per level (an EAGLE head) stops there. Each allocation that admits a deeper node raises it.
     deferred_seconds: set by a proposer whose drafter caught up on this call with work the steps that did not draft
         left it (an EAGLE head writing their rows' K/V): seconds neither gate charges to this call's drafting, since
         drafting for those requests at any later step would pay them too.
@@ -226,6 +229,7 @@ class ProposeContext:
     draft_rows: np.ndarray | None = None
     self_gated_seconds: float = 0.0
     deferred_seconds: float = 0.0
+    useful_depth: int | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -88,7 +88,8 @@ class EagleModelDrafter(ModelDrafter):
         return self.drafter.catch_up_seconds
 
     def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
-        return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below)
+        return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below,
+                                  max_depth=ctx.useful_depth)
 
 
 def check_head_path(checkpoint: str, vllm_config: Any) -> None:

@@ -70,6 +70,22 @@ def test_the_gate_learns_an_allocations_saving_from_what_the_target_accepted():
     assert gate.surplus < 0
 
 
+def test_the_proposer_is_told_how_deep_the_budget_admits():
+    """``ctx.useful_depth`` is the deepest node of the recent allocations plus one: a drafter that pays per level
+    stops there. Unknown before the first allocation."""
+    verifier = verifier_with(lambda t: 0.05 + 0.02 * (t - 1), {"a": SCORED})  # admits 0.9 and its child 0.72
+    proposer = verifier.proposer
+    verifier.propose([[9], [3], [6]])
+    assert proposer.contexts[0].useful_depth is None
+    assert verifier._admitted_depths[-1] == 2
+    scheduler_output, num_scheduled = schedule(verifier.runner, {"a": [10, 12]})
+    verifier.attach(scheduler_output, num_scheduled)
+    plan.publish(None)
+    verifier.propose([[10, 12, 7], [3], [6]])
+    asked = (proposer.contexts + proposer.observed)[-1]
+    assert asked.useful_depth == 3
+
+
 def test_forward_times_refine_the_model(monkeypatch):
     verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {})
     clock = iter(np.arange(0, 100, 0.2).tolist())

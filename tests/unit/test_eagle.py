@@ -386,6 +386,27 @@ def test_ingest_keeps_the_rows_of_requests_that_do_not_draft_until_they_do(tmp_p
     assert drafter._deferred_rows == 0 and 0 < drafter.catch_up_seconds
 
 
+def test_a_depth_cap_stops_the_expansion(tmp_path):
+    """``max_depth`` (the budget's ``useful_depth``) stops the levels early: no node below it, fewer head rows, and
+    the levels above it are those of the uncapped tree."""
+    head, path = small_head(tmp_path, seed=9)
+    seq = np.random.default_rng(9).integers(0, VOCAB, size=40)
+    aux = torch.randn(40, 3, HIDDEN)
+
+    def drafted(max_depth):
+        drafter = EagleDrafter(path, depth=5, top_k=3)
+        drafter.load(head.embed.weight)
+        ctx = draft_context(seq, aux, 0, 20, sampled=[int(seq[20])])
+        drafter.ingest(ctx)
+        return drafter.draft(ctx, [0], budget=64, max_depth=max_depth)[0], drafter.expanded_rows
+
+    full, full_rows = drafted(None)
+    capped, capped_rows = drafted(2)
+    assert full.depths().max() == 5 and capped.depths().max() == 2 and capped_rows < full_rows
+    shallow = full.depths() <= 2
+    assert sorted(capped.token_ids.tolist()) == sorted(full.token_ids[shallow].tolist())
+
+
 def two_request_context(seqs, auxes, spans, drafting) -> ProposeContext:
     """Requests "a" and "b": request j's rows for positions spans[j] of its own sequence and aux hidden states;
     ``drafting``: which of them need a draft."""

@@ -399,15 +399,18 @@ class EagleDrafter:
 
     # --- steps 2 and 3: expand and rerank ---------------------------------------------------------------------
     def draft(self, ctx: ProposeContext, rows: Sequence[int], budget: int,
-              stop_below: dict[int, float] | None = None, min_confidence: float = 0.0) -> dict[int, DraftTree]:
+              stop_below: dict[int, float] | None = None, min_confidence: float = 0.0,
+              max_depth: int | None = None) -> dict[int, DraftTree]:
         """EAGLE-2 trees of at most ``budget`` nodes for ``rows`` (those ingested this step). ``stop_below``
         (depth -> confidence) stops a request's expansion after that depth when its best path there is less likely
         (graft's checkpoints: the levels it would prune are never drafted). Nodes whose path probability is below
-        ``min_confidence`` are left out and not expanded (their descendants are less likely still)."""
+        ``min_confidence`` are left out and not expanded (their descendants are less likely still). ``max_depth``
+        (e.g. ``ctx.useful_depth``) caps the levels below the head's own depth: each level is a head forward."""
         # The kept tree is the top `budget` nodes by score, closed under ancestors (a child scores below its parent):
         # a node deeper than `budget`, or ranked below `budget` among its siblings or its level, is never kept, so
         # growing past those bounds only costs time (exact: the same tree either way).
-        k, max_depth = min(self.top_k, max(budget, 1)), min(self.depth, max(budget, 1))
+        k = min(self.top_k, max(budget, 1))
+        max_depth = min(self.depth, max(budget, 1), max_depth if max_depth is not None else self.depth)
         min_log = math.log(min_confidence) if min_confidence > 0 else -math.inf
         with torch.inference_mode():
             grows = self._root_children(ctx, rows, k, min_log, stop_below)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -30,6 +31,9 @@ from vllm_treespec.verify.support import attention_layers, tree_unsupported_reas
 from vllm_treespec.verify.topk import target_topk
 
 logger = logging.getLogger("vllm.treespec")
+
+#: recent allocations whose deepest admitted node sets ``ProposeContext.useful_depth``
+ADMITTED_DEPTH_WINDOW = 16
 
 # The vLLM objects tree verification relies on, attribute by attribute: everything the modules of CONTRACT_MODULES
 # read or write on vLLM's model runner (GPUModelRunner, CPUModelRunner), its InputBatch, the BlockTable of KV-cache
@@ -75,6 +79,8 @@ class TreeVerifier:
         self.budget: Any = None
         self._tree_seconds = 0.0  # this step's host work on trees so far (attach, acceptance, compaction)
         self._probe_cursor = 0  # where the next probe that drafts for some requests takes its first
+        #: the deepest admitted node of each of the last allocations of drafted trees (0: none admitted)
+        self._admitted_depths: collections.deque[int] = collections.deque(maxlen=ADMITTED_DEPTH_WINDOW)
         self.never_draft = os.environ.get(NEVER_DRAFT_ENV) == "1"
         if self.never_draft:
             logger.warning("vllm_treespec: %s=1: this engine never drafts (its proposer only observes each step)",
@@ -140,6 +146,8 @@ class TreeVerifier:
         row_excess = (self.budget.step_time.row_excess(input_batch.num_tokens_no_spec[:num_reqs])
                       if self.budget is not None else None)
         ctx.row_excess = row_excess
+        if self.budget is not None and self._admitted_depths:
+            ctx.useful_depth = max(self._admitted_depths) + 1
         started = time.perf_counter()
         drafted, drafting = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
@@ -156,6 +164,9 @@ class TreeVerifier:
             probing = self.budget.gate.probing
             trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing), num_reqs,
                                       drafted=bool(drafting), row_excess=row_excess)
+            if drafting:
+                self._admitted_depths.append(max((int(t.depths().max()) for t in trees
+                                                  if t is not None and t.num_nodes), default=0))
             if self.budget.trace is not None:
                 self.budget.trace.plan(factor=ctx.expectation_factor)
         if tracking:
@@ -188,6 +199,8 @@ class TreeVerifier:
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
+        if ctx.probing:
+            ctx.useful_depth = None  # a probe measures what the full trees are worth
         if ctx.probing and budget.gate.probe_requests is not None and budget.gate.probe_requests < drafting:
             ctx.draft_rows = self._probe_rows(rows, budget.gate.probe_requests, ctx.num_reqs)
             drafting = budget.gate.probe_requests
