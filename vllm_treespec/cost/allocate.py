@@ -282,7 +282,7 @@ class DraftGate:
     step); what each allocation saved, averaged over the steps, does not. That saving is learnt per load: by the
     drafting requests' power-of-two bucket (:func:`load_bucket`). What drafting saved at 8 requests says nothing of
     16, where a verified token costs more beside a longer step: one surplus for every load kept a served head
-    drafting for the first 24 steps of a 16-request level on what it had saved at 8, each call admitting nothing.
+    drafting for the first 24 steps of a 16-request level on what it had saved at 8 (18 nodes admitted in all).
 
     A probe's verification is paid from an allowance: every skipped step adds ``probe_share`` of its predicted time,
     and a probe adds to its step as many nodes as that pays for, best first, whether they pay at their prices or not
