@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import msgspec
 
@@ -142,6 +142,9 @@ class EagleTreeProposer(TreeProposer):
 
     def observe(self, ctx: ProposeContext) -> None:
         self.drafter.observe(ctx)
+
+    def catch_up_price(self, ctx: ProposeContext, rows: Sequence[int]) -> float:
+        return self.drafter.backlog_seconds([ctx.req_ids[i] for i in rows])
 
     def on_requests_finished(self, req_ids: set[str]) -> None:
         self.drafter.release(req_ids)

@@ -190,6 +190,9 @@ class ProposeContext:
     probing: the step budget's gate drafts this step only to learn what the trees are worth now (it had stopped
         drafting because they did not pay): draft as fully as you can, or the probe measures a lesser tree than the
         one you would draft once drafting pays (graft's head drafts on every probe).
+    probe_seconds: on a probe, the seconds the skipped steps set aside for it (None: not capped): a proposer whose
+        drafter would first catch up on work left by the steps without drafts (graft's head) drafts with it only if
+        that catch-up fits, or the probe costs many times what the skipped steps saved for it.
     draft_rows: when set, the rows asked for a tree this step (a probe under load drafts for as many requests as
         it can verify nodes of); ``needs_draft`` is False for the others. None: every row that needs one.
     expectation_factor: the step budget's recent accepted-over-expected drafts, by which it scales every calibrated
@@ -224,6 +227,7 @@ class ProposeContext:
     kv_cache: Any = None
     step_cost: Any = None
     probing: bool = False
+    probe_seconds: float | None = None
     expectation_factor: float = 1.0
     row_excess: np.ndarray | None = None
     draft_rows: np.ndarray | None = None
@@ -322,6 +326,13 @@ class TreeProposer:
         """Called instead of :meth:`propose_trees` on a step the verifier's budget decided not to draft (its trees
         would not pay for their verification): keep per-request state that follows every committed token current
         (a draft head's own KV cache), so that drafts are as good when drafting resumes. Default: nothing."""
+
+    def catch_up_price(self, ctx: ProposeContext, rows: Sequence[int]) -> float:
+        """Seconds a call drafting for batch rows ``rows`` would first spend on work the steps it only observed
+        left (an EAGLE head writing their rows' K/V, deferred by :meth:`observe`). The step budget's gate adds it to
+        the call's measured price, and a probe pays it out of its allowance: after a long spell without drafts,
+        resuming costs more than one call. Default: 0 (nothing deferred)."""
+        return 0.0
 
     def use_acceptance(self, calibration: Any) -> None:
         """Called by the verifier with the acceptance calibration it learns online for this proposer

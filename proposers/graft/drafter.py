@@ -48,6 +48,11 @@ class ModelDrafter(abc.ABC):
         """Seconds the last :meth:`ingest` spent on rows that steps without drafts left (not this step's price)."""
         return 0.0
 
+    def backlog_seconds(self, req_ids: Sequence[str]) -> float:
+        """What an :meth:`ingest` drafting for ``req_ids`` would spend first on rows that steps without drafts left
+        (graft's gates price it with the call)."""
+        return 0.0
+
     @abc.abstractmethod
     def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
         """Scored trees (``node_probs`` given) of at most ``ctx.max_nodes`` nodes for the batch rows ``rows``; a row
@@ -86,6 +91,9 @@ class EagleModelDrafter(ModelDrafter):
     @property
     def catch_up_seconds(self) -> float:
         return self.drafter.catch_up_seconds
+
+    def backlog_seconds(self, req_ids: Sequence[str]) -> float:
+        return self.drafter.backlog_seconds(req_ids)
 
     def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
         return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below,

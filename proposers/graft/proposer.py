@@ -136,8 +136,9 @@ class GraftProposer(TreeProposer):
 
     def head_drafts(self, ctx: ProposeContext, budget: int, rows: list[int]) -> bool:
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
-        beat its measured cost, both against plain decoding and against the retrieval-only trees graft drafts without
-        it (a head that adds little to a confident match only costs), and on every probe of the verifier's gate
+        beat its measured cost (its call, and its catch-up on the rows of the steps it did not draft), both against
+        plain decoding and against the retrieval-only trees graft drafts without it (a head that adds little to a
+        confident match only costs), and on every probe of the verifier's gate whose allowance covers that catch-up
         (``model_draft_max_batch``, if given, still caps the batch); else up to ``model_draft_max_batch`` requests.
         What the retrieval-only trees are worth is learnt on the head's own steps (:meth:`retrieval_alternatives`):
         a step drafted without the head only to measure them would also teach the verifier's gate, which prices
@@ -154,10 +155,14 @@ class GraftProposer(TreeProposer):
         if self.head_gate is None or self.retrieval_gate is None:
             self.head_gate, self.retrieval_gate = DraftGate(ctx.step_cost, self.head_cost), DraftGate(ctx.step_cost)
         self.head_gate.cost = self.retrieval_gate.cost = ctx.step_cost
-        if ctx.probing:  # the verifier's probe must measure the trees graft would draft once drafting pays
-            return True
+        # the head's writes of the rows the steps without drafts left it: paid by whichever call drafts next
+        backlog = self.drafter.backlog_seconds([ctx.req_ids[i] for i in rows])
+        if ctx.probing:
+            # the verifier's probe must measure the trees graft would draft once drafting pays, but not at a
+            # catch-up many times what the skipped steps set aside for it (at 16 requests in bf16, 40-80 ms a probe)
+            return ctx.probe_seconds is None or backlog <= ctx.probe_seconds
         excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[rows]))
-        if not self.head_gate.should_draft(num_drafting, budget, row_excess=excess):
+        if not self.head_gate.should_draft(num_drafting, budget, row_excess=excess, extra_seconds=backlog):
             return False
         if self.head_gate.probing or self.head_gate.last_rates is None:
             return True

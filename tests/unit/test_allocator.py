@@ -385,6 +385,35 @@ def test_what_drafting_saved_is_learnt_per_load():
     assert gate.surplus_by_load == {8: saved_at_8}
 
 
+def test_a_catch_up_is_priced_with_the_call_and_paid_out_of_a_probes_allowance():
+    """``extra_seconds`` (a head's catch-up on the rows that steps without drafts left it) is part of drafting's
+    price: trees that pay for the call alone do not pay for the call and a long catch-up. A probe pays it, per
+    probed request, out of the allowance the skipped steps set aside: after a long spell it waits until they have
+    set aside enough, instead of spending many times its share."""
+
+    class Drafter:
+        def predict(self, x):
+            return 0.003  # 5% of MIDDLE's plain step: not free
+
+    sure = DraftGate(MIDDLE, Drafter())
+    sure.record([star([0.9, 0.9])])
+    assert sure.should_draft(1) and not sure.should_draft(1, extra_seconds=0.2)
+    assert sure.last_rates[0] < sure.last_rates[1]
+
+    def first_probe(extra_seconds):
+        gate = DraftGate(MIDDLE, Drafter(), probe_every=4)
+        gate.record([star([0.05])])  # worth nothing at MIDDLE's 6 ms a node: every step skips until a probe
+        for step in range(200):
+            if gate.should_draft(1, extra_seconds=extra_seconds):
+                assert gate.probing and gate.probe_requests == 1
+                return step
+        return None
+
+    # 1% of a 60 ms plain step is set aside per skipped step: a node's 6 ms after 10 steps, 36 ms after 60
+    assert 9 <= first_probe(0.0) <= 11
+    assert 59 <= first_probe(0.030) <= 61
+
+
 def test_the_gate_prices_trees_at_the_verifiers_expectation_correction():
     """Trees recorded with ``scale`` (the verifier's accepted-over-expected correction) are worth that much less: a
     drafter that pays on its raw numbers does not when the verifier will discount them."""

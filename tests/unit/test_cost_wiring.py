@@ -86,6 +86,25 @@ def test_the_proposer_is_told_how_deep_the_budget_admits():
     assert asked.useful_depth == 3
 
 
+def test_the_gate_prices_the_proposers_catch_up_with_its_call():
+    """``TreeProposer.catch_up_price`` of the rows that would draft is added to the drafter's price: the trees that
+    pay at a 2 ms token do not pay for ten seconds of catch-up, and the step only observes."""
+    decisions = []
+    for price in (0.0, 10.0):
+        verifier = verifier_with(lambda t: 0.05 + 0.002 * (t - 1), {"a": SCORED})
+        proposer, asked = verifier.proposer, []
+        proposer.catch_up_price = lambda ctx, rows, price=price: asked.append(list(rows)) or price
+        drafts = verifier.propose([[9], [3], [6]])
+        assert drafts[0]  # nothing known yet: it drafts, and learns what the trees are worth
+        scheduler_output, num_scheduled = schedule(verifier.runner, {"a": drafts[0]})
+        verifier.attach(scheduler_output, num_scheduled)
+        plan.publish(None)
+        decisions.append(bool(verifier.propose([[10, 12, 7], [3], [6]])[0]))
+        assert asked[-1] == [0, 1, 2]
+    assert decisions == [True, False]
+    assert len(proposer.observed) == 1 and verifier.budget.stats["skipped_drafts"] == 1
+
+
 def test_forward_times_refine_the_model(monkeypatch):
     verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {})
     clock = iter(np.arange(0, 100, 0.2).tolist())

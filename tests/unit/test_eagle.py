@@ -386,6 +386,29 @@ def test_ingest_keeps_the_rows_of_requests_that_do_not_draft_until_they_do(tmp_p
     assert drafter._deferred_rows == 0 and 0 < drafter.catch_up_seconds
 
 
+def test_the_rows_a_request_left_are_priced_at_the_measured_cost_of_a_written_row(tmp_path):
+    """``backlog_seconds``: a request's deferred rows times the running price of a written row, learnt from batched
+    writes of ``ROW_PRICE_MIN_ROWS`` rows or more (a step's few rows would price the call's overheads); nothing before
+    such a write, and nothing for a request whose rows are written."""
+    head, path = small_head(tmp_path, seed=13)
+    seq = np.random.default_rng(13).integers(0, VOCAB, size=80)
+    aux = torch.randn(80, 3, HIDDEN)
+    drafter = EagleDrafter(path, depth=3, top_k=3)
+    drafter.load(head.embed.weight)
+    ctx = draft_context(seq, aux, 0, 40, sampled=[int(seq[40])])
+    ctx.draft_rows = np.array([False])
+    drafter.ingest(ctx)
+    assert drafter._deferred_count == {"r": 40} and drafter.backlog_seconds(["r"]) == 0.0  # no write timed yet
+    drafter.ingest(draft_context(seq, aux, 40, 41, sampled=[int(seq[41])]))  # catches up on the 40: a priced write
+    price = drafter.row_write_seconds
+    assert price is not None and price > 0 and drafter.backlog_seconds(["r"]) == 0.0
+    drafter.ingest(draft_context(seq, aux, 41, 42, sampled=[int(seq[42])]))  # one row: not a price
+    assert drafter.row_write_seconds == price
+    for start in range(42, 52):
+        drafter.observe(draft_context(seq, aux, start, start + 1, sampled=[int(seq[start + 1])]))
+    assert drafter.backlog_seconds(["r", "other"]) == pytest.approx(10 * price)
+
+
 def test_a_depth_cap_stops_the_expansion(tmp_path):
     """``max_depth`` (the budget's ``useful_depth``) stops the levels early: no node below it, fewer head rows, and
     the levels above it are those of the uncapped tree."""

@@ -652,6 +652,42 @@ def test_a_heads_catch_up_on_rows_of_steps_without_drafts_is_priced_by_neither_g
     assert 0 < ctx.self_gated_seconds < 0.04 and p.head_cost.predict(2) == pytest.approx(ctx.self_gated_seconds)
 
 
+def test_the_heads_catch_up_is_priced_before_it_drafts_and_a_probe_drafts_with_it_only_if_its_allowance_covers_it():
+    """The head's writes of the rows steps without drafts left it (``backlog_seconds``) are priced with its call by
+    its gate, and on the verifier's probe it drafts only if the probe's allowance (``ctx.probe_seconds``) covers them:
+    the probe then measures the retrieval-only trees instead of costing many times what was set aside for it."""
+
+    class BackloggedDrafter(ScriptedDrafter):
+        backlog = 0.0
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+        def backlog_seconds(self, req_ids):
+            return self.backlog * len(req_ids)
+
+    drafter = BackloggedDrafter({i: [0.9, 0.9] for i in range(2)})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+
+    def step(probe_seconds=None, probing=False):
+        ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+        ctx.step_cost = Linear(0.05, 0.001)  # cheap tokens
+        ctx.probing, ctx.probe_seconds = probing, probe_seconds
+        p.propose_trees(ctx)
+        return drafter.ingested
+
+    step()
+    step()  # the head's first calls: it drafts, and is timed
+    p.head_cost.buckets = {1: 0.001}
+    assert step() == 3  # a millisecond for ~0.9 tokens a request: it pays
+    drafter.backlog = 0.5  # half a second a request of rows to write first: it does not
+    assert step() == 3 and p.stats.retrieval_only_steps == 1
+    assert step(probe_seconds=0.2, probing=True) == 3 and p.stats.retrieval_only_steps == 2
+    assert step(probe_seconds=1.5, probing=True) == 4  # the allowance pays for both requests' rows
+    assert step(probe_seconds=None, probing=True) == 5  # an uncapped probe (nothing known yet) drafts in full
+
+
 def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     class CountingDrafter(ScriptedDrafter):
         ingested = 0

@@ -407,9 +407,11 @@ class DraftGate:
         return float(rates[1:].max()) if k_all.size > 1 else 0.0, float(rates[0])
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
-                     row_excess: float | None = None) -> bool:
+                     row_excess: float | None = None, extra_seconds: float = 0.0) -> bool:
         """``row_excess``: the context term of one of the requests' rows, on average (None: at the curve's
-        context)."""
+        context). ``extra_seconds``: what drafting for these requests now costs beyond the drafter's measured call
+        (a head's catch-up on the rows that steps without drafts left it): part of the price, and a probe pays it,
+        per probed request, out of its allowance."""
         self.probing = False
         self.probe_seconds = self.probe_requests = None
         self.last_rates = None
@@ -419,18 +421,19 @@ class DraftGate:
         if self.marginal is None:  # nothing known yet: draft, and learn
             return self._probe(None)
         measured = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
-        drafter = measured or 0.0  # a drafter not timed yet counts as free: it drafts, and is timed
+        drafter = (measured or 0.0) + extra_seconds  # a drafter not timed yet counts as free: it drafts, is timed
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter, row_excess)
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
-        cheap = measured is not None and plain > 0 and measured <= self.free_share * num_reqs / plain
-        saves = measured is not None and self.surplus > measured
+        cheap = measured is not None and plain > 0 and drafter <= self.free_share * num_reqs / plain
+        saves = measured is not None and self.surplus > drafter
         if best > plain or cheap or saves:
             self.skipped = 0
             self.interval = self.probe_every
             return True
         if self.skipped >= self.interval:
-            affordable = self._affordable_nodes(num_reqs, base_tokens, row_excess, limit=num_reqs)
+            affordable = self._affordable_nodes(num_reqs, base_tokens, row_excess, limit=num_reqs,
+                                                per_request=extra_seconds / num_reqs)
             if affordable:
                 allowance, self.allowance = self.allowance, 0.0
                 return self._probe(allowance, requests=affordable)
@@ -442,14 +445,15 @@ class DraftGate:
         return False
 
     def _affordable_nodes(self, num_reqs: int, base_tokens: int | None, row_excess: float | None,
-                          limit: int) -> int:
+                          limit: int, per_request: float = 0.0) -> int:
         """How many nodes (at most ``limit``) the allowance pays for verifying in a step of ``num_reqs`` decoding
-        requests."""
+        requests, each node a request of its own that costs ``per_request`` seconds more to draft for."""
         base = num_reqs if base_tokens is None else base_tokens
         extra = np.arange(limit + 1, dtype=np.float64)
         seconds = _predict(self.cost, base + extra, num_reqs,
                            None if row_excess is None else (num_reqs + extra) * row_excess, base)
-        return int(np.count_nonzero(seconds[1:] - seconds[0] <= self.allowance + ROUNDING_SECONDS))
+        cost = seconds[1:] - seconds[0] + per_request * extra[1:]
+        return int(np.count_nonzero(cost <= self.allowance + ROUNDING_SECONDS))
 
     def _probe(self, seconds: float | None, requests: int | None = None) -> bool:
         """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped),

@@ -148,11 +148,12 @@ class StepBudget:
         seen, last = self._plain_seen.get(self.cost.correction.bucket(plain_tokens), (0, 0))
         return seen < PLAIN_SAMPLES or self.stats["observed_steps"] - last > PLAIN_SAMPLE_AGE
 
-    def should_draft(self, num_reqs: int, row_excess: np.ndarray | None = None, step_reqs: int | None = None
-                     ) -> bool:
+    def should_draft(self, num_reqs: int, row_excess: np.ndarray | None = None, step_reqs: int | None = None,
+                     extra_seconds: float = 0.0) -> bool:
         """``row_excess``: :meth:`StepTime.row_excess` of the drafting requests (None: at the curve's context);
         ``step_reqs``: the requests of the step (default ``num_reqs``), whose plain step must be measured
-        (:meth:`needs_plain_sample`) before drafts are priced against it."""
+        (:meth:`needs_plain_sample`) before drafts are priced against it; ``extra_seconds``: the proposer's
+        catch-up for these requests (``TreeProposer.catch_up_price``), priced with the call."""
         if self.needs_plain_sample(num_reqs if step_reqs is None else step_reqs):
             self.stats["plain_samples"] += 1
             if self.trace is not None:
@@ -160,13 +161,15 @@ class StepBudget:
             return False
         self.gate.overhead = self.tree_work.seconds
         draft = self.gate.should_draft(num_reqs, self.max_nodes,
-                                       row_excess=None if row_excess is None else float(np.mean(row_excess)))
+                                       row_excess=None if row_excess is None else float(np.mean(row_excess)),
+                                       extra_seconds=extra_seconds)
         self.stats["skipped_drafts"] += not draft
         if self.trace is not None:
             rates = self.gate.last_rates
             self.trace.plan(gate="probe" if self.gate.probing else "draft" if draft else "skip",
                             **({"best": rates[0], "plain": rates[1]} if rates is not None else {}),
-                            surplus_ms=self.gate.surplus * 1e3)
+                            surplus_ms=self.gate.surplus * 1e3,
+                            **({"catch_up_ms": extra_seconds * 1e3} if extra_seconds else {}))
         return draft
 
     def verified(self, accepted: int | None) -> None:

@@ -86,6 +86,10 @@ def activation_dtype(mode: str) -> torch.dtype:
 DEFERRED_ROWS = 8192
 #: one request's observed rows kept before its own are written (its next draft then catches up on fewer)
 DEFERRED_ROWS_PER_REQUEST = 1024
+#: weight of the newest batched write in the running price of a written row, learnt from writes of at least
+#: ROW_PRICE_MIN_ROWS rows (a prompt's, a catch-up's)
+ROW_PRICE_ALPHA = 0.2
+ROW_PRICE_MIN_ROWS = 32
 
 
 class EagleDrafter:
@@ -121,6 +125,9 @@ class EagleDrafter:
         #: seconds the last ingest spent writing rows deferred from earlier steps (their share of its batched write):
         #: work the steps that did not draft left, not a price of this step's drafts
         self.catch_up_seconds = 0.0
+        #: seconds a written row costs (its K/V through the head's layer inputs), a running mean over batched writes
+        #: of ROW_PRICE_MIN_ROWS rows or more; None before one: prices a draft's catch-up (backlog_seconds)
+        self.row_write_seconds: float | None = None
         #: skip frontier nodes that cannot reach the kept tree (exact; off only to test that it is exact)
         self.prune_frontier = True
         #: head rows drafted past depth 1 (expansion work), for tests and profiling
@@ -299,6 +306,13 @@ class EagleDrafter:
         elif full:
             self._write_segments(ctx, [], requests=full)
 
+    def backlog_seconds(self, req_ids: Sequence[str]) -> float:
+        """What drafting for ``req_ids`` now would spend first writing the rows their steps without drafts left:
+        their deferred rows at the measured price of a written row (0 before any write was timed)."""
+        if self.row_write_seconds is None:
+            return 0.0
+        return self.row_write_seconds * sum(self._deferred_count.get(r, 0) for r in req_ids)
+
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
         """(batch row, aux hidden rows [n, n_aux * H] (a copy), tokens, positions) of every request's newly
         committed rows."""
@@ -351,7 +365,12 @@ class EagleDrafter:
             for i, p0, n in _contiguous_runs(pieces):
                 self._write_committed(ctx, i, p0, n, k[offset: offset + n], v[offset: offset + n])
                 offset += n
-        self.catch_up_seconds = (time.perf_counter() - started) * caught_up / int(ends[-1])
+        elapsed, rows = time.perf_counter() - started, int(ends[-1])
+        self.catch_up_seconds = elapsed * caught_up / rows
+        if rows >= ROW_PRICE_MIN_ROWS:  # a catch-up's size: a step's few rows would price in the call's overheads
+            per_row = elapsed / rows
+            self.row_write_seconds = per_row if self.row_write_seconds is None else \
+                (1 - ROW_PRICE_ALPHA) * self.row_write_seconds + ROW_PRICE_ALPHA * per_row
         return hidden[query_rows], q
 
     def ingest(self, ctx: ProposeContext) -> list[int]:

@@ -195,12 +195,14 @@ class TreeVerifier:
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         drafting = len(rows)
         if self.never_draft or (budget is not None and drafting and not budget.should_draft(
-                drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs)):
+                drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs,
+                extra_seconds=self.proposer.catch_up_price(ctx, rows))):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
         if ctx.probing:
             ctx.useful_depth = None  # a probe measures what the full trees are worth
+            ctx.probe_seconds = budget.gate.probe_seconds
         if ctx.probing and budget.gate.probe_requests is not None and budget.gate.probe_requests < drafting:
             ctx.draft_rows = self._probe_rows(rows, budget.gate.probe_requests, ctx.num_reqs)
             drafting = budget.gate.probe_requests
