@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from vllm_treespec.api import DraftTree
+from vllm_treespec.cost.online import log2_bucket
 
 
 #: slack on comparisons of an allowance (a sum of many shares of steps) with a step's extra seconds
@@ -257,8 +258,9 @@ def _zero_padded_sum(arrays: Sequence[np.ndarray], size: int = 0) -> np.ndarray:
 
 
 def load_bucket(num_reqs: int) -> int:
-    """The power of two at or above ``num_reqs``: the load a drafter gate's saving is learnt for (1, 2, 4, 8, ...)."""
-    return 1 << max(int(num_reqs) - 1, 0).bit_length()
+    """The load a drafter gate's saving is learnt for: the power of two nearest ``num_reqs`` in log2 (1, 2, 4, 8,
+    ...; :func:`log2_bucket`, as the drafter's call cost it is weighed against)."""
+    return 1 << log2_bucket(num_reqs)
 
 
 class DrafterCost(Protocol):

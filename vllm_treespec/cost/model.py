@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Sequence
 import msgspec
 import numpy as np
 
+from vllm_treespec.cost.online import log2_bucket
 from vllm_treespec.settings import default_cache_dir, write_json_atomically
 
 logger = logging.getLogger("vllm.treespec")
@@ -175,7 +176,7 @@ class OnlineCorrection:
     @staticmethod
     def bucket(x: float) -> int:
         """The bucket an observation at ``x`` updates."""
-        return int(round(math.log2(max(x, 1.0))))
+        return log2_bucket(x)
 
     def observe(self, x: float, ratio: float) -> None:
         if not (math.isfinite(ratio) and ratio > 0 and x >= 1):

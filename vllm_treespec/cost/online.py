@@ -51,6 +51,13 @@ class RunningMedian:
         return len(self.samples)
 
 
+def log2_bucket(x: float) -> int:
+    """The power-of-two bucket of ``x`` (tokens, requests): log2 of ``x`` rounded to the nearest integer (11 -> 3,
+    12 -> 4). One bucketing for everything the cost model learns per size: the step-time correction, a drafter's
+    call cost, a drafter gate's saving."""
+    return int(round(math.log2(max(x, 1.0))))
+
+
 class CallCost:
     """Seconds per call of a drafter as a function of the requests it drafts for: an exponentially weighted mean
     per power-of-two bucket of requests, interpolated in log2 between the buckets seen (flat beyond them); the first
@@ -65,7 +72,7 @@ class CallCost:
     def observe(self, num_reqs: int, seconds: float) -> None:
         if num_reqs < 1 or not (math.isfinite(seconds) and seconds >= 0):
             return
-        bucket = int(round(math.log2(num_reqs)))
+        bucket = log2_bucket(num_reqs)
         self._seen[bucket] = self._seen.get(bucket, 0) + 1
         if self._seen[bucket] <= self.warmup:
             return
