@@ -136,13 +136,13 @@ class KVAwareHead(Eagle3Head):
         q = c.q_proj(xn).view(b, t, n_layers * hk * g, d)
         cos, sin = rope_cos_sin(positions, d, cfg.rope_theta)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype)).view(b, t, n_layers, hk, g, d)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
-        scores = torch.einsum("btlkgd,blskd->blkgts", q, keys) * (1.0 / math.sqrt(d))
+        # in float32: a bf16 einsum builds a new oneDNN primitive for every context length it meets (~1 ms on CPU)
+        scores = torch.einsum("btlkgd,blskd->blkgts", q.float(), keys.float()) * (1.0 / math.sqrt(d))
         if mask is not None:
             m = mask if mask.dim() == 3 else mask[None]
             scores = scores.masked_fill(~m[:, None, None, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = torch.einsum("blkgts,blskd->btlkgd", probs, values).reshape(b, t, -1)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("blkgts,blskd->btlkgd", probs, values.float()).reshape(b, t, -1).to(x.dtype)
         delta = c.o_proj(out)
         if cfg.mode == "hybrid":
             delta = torch.sigmoid(c.gate(xn)) * delta
