@@ -189,7 +189,8 @@ class ProposeContext:
         :class:`vllm_treespec.cost.allocate.DraftGate`).
     probing: the step budget's gate drafts this step only to learn what the trees are worth now (it had stopped
         drafting because they did not pay): draft as fully as you can, or the probe measures a lesser tree than the
-        one you would draft once drafting pays (graft's head drafts on every probe).
+        one you would draft once drafting pays (graft's head drafts on every probe whose ``probe_seconds`` cover its
+        catch-up).
     probe_seconds: on a probe, the seconds the skipped steps set aside for it (None: not capped): a proposer whose
         drafter would first catch up on work left by the steps without drafts (graft's head) drafts with it only if
         that catch-up fits, or the probe costs many times what the skipped steps saved for it.
@@ -210,8 +211,9 @@ class ProposeContext:
         allocation yet, no budget, or a probe, which drafts in full): the levels below it are seldom verified, so a
         drafter that pays per level (an EAGLE head) stops there. Each allocation that admits a deeper node raises it.
     deferred_seconds: set by a proposer whose drafter caught up on this call with work the steps that did not draft
-        left it (an EAGLE head writing their rows' K/V): seconds neither gate charges to this call's drafting, since
-        drafting for those requests at any later step would pay them too.
+        left it (an EAGLE head writing their rows' K/V): seconds neither gate charges to this call's measured cost,
+        since drafting for those requests at any later step would pay them too; the gates price them before the call
+        instead (:meth:`TreeProposer.catch_up_price`).
     """
 
     req_ids: list[str]
