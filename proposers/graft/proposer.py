@@ -159,7 +159,7 @@ class GraftProposer(TreeProposer):
         backlog = self.drafter.backlog_seconds([ctx.req_ids[i] for i in rows])
         if ctx.probing:
             # the verifier's probe must measure the trees graft would draft once drafting pays, but not at a
-            # catch-up many times what the skipped steps set aside for it (at 16 requests in bf16, 40-80 ms a probe)
+            # catch-up many times what the skipped steps set aside for it (at 16 requests in bf16, up to 160 ms a probe)
             return ctx.probe_seconds is None or backlog <= ctx.probe_seconds
         excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[rows]))
         if not self.head_gate.should_draft(num_drafting, budget, row_excess=excess, extra_seconds=backlog):
