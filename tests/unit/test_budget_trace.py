@@ -94,3 +94,17 @@ def test_summaries_say_how_far_the_model_predicted_the_steps():
     error = trace.summarize(lines)["prediction_error"]
     assert error["plain"] == pytest.approx(0.2) and error["verifying"] == pytest.approx(-0.1)
     assert error["absolute"] == pytest.approx(0.15)
+
+
+def test_summaries_add_up_the_time_before_drafts_that_nothing_priced():
+    """Between two step starts: the first's forward and host time, then the second's drafter call; what is left
+    before a drafting step is work the budget did not price (a head's catch-up). Idle gaps and steps that did not
+    draft are left out."""
+    lines = [{"t": 1.000, "reqs": 4, "tokens": 4, "forward_ms": 50.0, "host_ms": 3.0},
+             {"t": 1.100, "reqs": 4, "tokens": 9, "gate": "probe", "drafter_ms": 7.0, "forward_ms": 70.0,
+              "host_ms": 3.0},  # 100 ms after a 50 ms forward, 3 ms of host and a 7 ms call: 40 ms unpriced
+             {"t": 1.180, "reqs": 4, "tokens": 4, "gate": "skip", "forward_ms": 50.0, "host_ms": 3.0},
+             {"t": 1.240, "reqs": 4, "tokens": 8, "gate": "draft", "drafter_ms": 7.0, "forward_ms": 60.0},
+             {"t": 3.000, "reqs": 4, "tokens": 8, "gate": "draft", "drafter_ms": 7.0, "forward_ms": 60.0}]  # idle
+    assert trace.summarize(lines)["unpriced_before_drafts_ms"] == pytest.approx(40.0 + 0.0)
+

@@ -16,6 +16,10 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     drafter_ms the proposer's call with the pricing of its trees, when it drafted
     factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
 
+A step's ``drafter_ms`` ran before its forward, after the previous step's: the gap between two step starts is the
+first's forward, host time and the second's drafter call, and what is left is work nobody priced
+(:func:`unpriced_before_drafts`).
+
 :func:`summarize` condenses the lines of a time window (one load level of ``bench serve``). Tracing costs a dict and
 a write per step; it is off unless the variable is set.
 """
@@ -133,7 +137,26 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "forward_ms": sum(s.get("forward_ms", 0.0) for s in steps) / len(steps),
         "host_ms": steps[-1].get("host_ms"),
         "prediction_error": prediction_error(steps),
+        "unpriced_before_drafts_ms": unpriced_before_drafts(steps),
     }
+
+
+#: gaps between step starts longer than this are idle time (no request in flight), not a step's work
+IDLE_GAP_SECONDS = 0.5
+
+
+def unpriced_before_drafts(steps: list[dict[str, Any]]) -> float:
+    """Milliseconds, summed over the steps that drafted (gate "draft" or "probe"), of the time since the step before
+    started that neither that step's forward, the drafting step's drafter call nor the host time the budget charges
+    account for: work before a draft that the budget did not price (an EAGLE head's catch-up on deferred rows, before
+    it was priced). Gaps of idle time are left out."""
+    total = 0.0
+    for before, step in zip(steps, steps[1:]):
+        gap = step["t"] - before["t"]
+        if step.get("gate") not in ("draft", "probe") or gap > IDLE_GAP_SECONDS or "forward_ms" not in before:
+            continue
+        total += gap * 1e3 - before["forward_ms"] - step.get("drafter_ms", 0.0) - (before.get("host_ms") or 0.0)
+    return total
 
 
 def prediction_error(steps: list[dict[str, Any]]) -> dict[str, float] | None:
