@@ -31,6 +31,18 @@ def small_head(tmp_path, draft_vocab=120, seed=0, norm_before_fc=False) -> tuple
     return head, str(path)
 
 
+def drafter_on_random_sequence(tmp_path, seed: int, length: int, depth: int, top_k: int
+                               ) -> tuple[EagleDrafter, np.ndarray, torch.Tensor]:
+    """A drafter on :func:`small_head` (``seed``), a random token sequence of ``length`` and its random aux rows
+    ``[length, 3, HIDDEN]``."""
+    head, path = small_head(tmp_path, seed=seed)
+    seq = np.random.default_rng(seed).integers(0, VOCAB, size=length)
+    aux = torch.randn(length, 3, HIDDEN)
+    drafter = EagleDrafter(path, depth=depth, top_k=top_k)
+    drafter.load(head.embed.weight)
+    return drafter, seq, aux
+
+
 def draft_context(seq: np.ndarray, aux: torch.Tensor, start: int, stop: int, sampled: list[int]) -> ProposeContext:
     """Rows for positions start..stop-1 (the target read tokens start..stop-1; tokens up to stop are committed)."""
     tokens = np.zeros((1, 256), np.int64)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle_helpers import HIDDEN, VOCAB, check_chain_matches_unrolled_forward, draft_context, small_head
+from eagle_helpers import (HIDDEN, VOCAB, check_chain_matches_unrolled_forward, draft_context,
+                           drafter_on_random_sequence, small_head)
 from vllm_treespec.api import ProposeContext
 from vllm_treespec.eagle.drafter import EagleDrafter, _contiguous_runs
 from vllm_treespec.eagle.model import Eagle3Head
@@ -370,11 +371,7 @@ def test_ingest_keeps_the_rows_of_requests_that_do_not_draft_until_they_do(tmp_p
     """A row that does not draft this step (a partial prefill, or one a probe does not ask: ``ctx.draft_rows``) keeps
     its rows for later, as a step that only observes does; the step where it drafts writes them with its own, so its
     draft sees the whole context. Only rows that draft get a depth-1 output."""
-    head, path = small_head(tmp_path, seed=5)
-    seq = np.random.default_rng(5).integers(0, VOCAB, size=40)
-    aux = torch.randn(40, 3, HIDDEN)
-    drafter = EagleDrafter(path, depth=4, top_k=4)
-    drafter.load(head.embed.weight)
+    drafter, seq, aux = drafter_on_random_sequence(tmp_path, seed=5, length=40, depth=4, top_k=4)
     ctx = draft_context(seq, aux, 0, 20, sampled=[int(seq[20])])
     ctx.draft_rows = np.array([False])
     assert drafter.ingest(ctx) == []
@@ -390,11 +387,7 @@ def test_the_rows_a_request_left_are_priced_at_the_measured_cost_of_a_written_ro
     """``backlog_seconds``: a request's deferred rows times the running price of a written row, learnt from batched
     writes of ``ROW_PRICE_MIN_ROWS`` rows or more (a step's few rows would price the call's overheads); nothing before
     such a write, and nothing for a request whose rows are written."""
-    head, path = small_head(tmp_path, seed=13)
-    seq = np.random.default_rng(13).integers(0, VOCAB, size=80)
-    aux = torch.randn(80, 3, HIDDEN)
-    drafter = EagleDrafter(path, depth=3, top_k=3)
-    drafter.load(head.embed.weight)
+    drafter, seq, aux = drafter_on_random_sequence(tmp_path, seed=13, length=80, depth=3, top_k=3)
     ctx = draft_context(seq, aux, 0, 40, sampled=[int(seq[40])])
     ctx.draft_rows = np.array([False])
     drafter.ingest(ctx)
