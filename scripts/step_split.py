@@ -61,6 +61,7 @@ TIMED = (
     ("vllm_treespec.eagle.drafter", "EagleDrafter", "_write_segments"),
     ("vllm_treespec.eagle.drafter", "EagleDrafter", "ingest"),
     ("vllm_treespec.eagle.drafter", "EagleDrafter", "draft"),
+    ("vllm_treespec.eagle.drafter", "EagleDrafter", "_expand_level"),
     ("vllm_treespec.eagle.drafter", "EagleDrafter", "_segments"),
     ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "propose_trees"),
     ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "head_drafts"),

@@ -230,7 +230,9 @@ class StepBudget:
         self._drafts = int(drafts)
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
-            self.trace.note(host_ms=self.host_seconds * 1e3)
+            self.trace.note(host_ms=self.host_seconds * 1e3, drafts=self._drafts)
+            if self.cost.per_context:
+                self.trace.note(excess=self._excess)
             if num_tokens > 0 and num_reqs > 0:  # before this step's time refines the model
                 self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess,
                                                                plain_tokens=int(num_tokens) - self._drafts) * 1e3)

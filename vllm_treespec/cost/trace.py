@@ -14,6 +14,10 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
                gate drafts while it beats drafter_ms)
     admitted   draft nodes the allocator kept;  expected: tokens it expected of the step (plain ones included)
     drafter_ms the proposer's call with the pricing of its trees, when it drafted
+    excess     the step's context term E (rows times their sequence lengths beyond the sweep's context), when the
+               model prices context: with ``tokens``, ``reqs`` and ``drafts`` what a replay of the model needs
+               (``scripts/replay_cost_trace.py``)
+    drafts     draft tokens the forward verified (vLLM's scheduled drafts: a tree's admitted nodes, or a chain's)
     factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
 
 A step's ``drafter_ms`` ran before its forward, after the previous step's: the gap between two step starts is the
