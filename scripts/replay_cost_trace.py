@@ -1,10 +1,11 @@
-"""Replay batch-1 step-budget traces through this checkout's step-cost model, to compare its predictions with the
-ones the traced engine made.
+"""Replay step-budget traces through this checkout's step-cost model, to compare its predictions with the ones the
+traced engine made.
 
-``vllm-treespec bench`` writes one trace per method and repeat (``budget-METHOD-rN.jsonl.PID`` in ``--out``; any run
-with ``VLLM_TREESPEC_BUDGET_TRACE``). Each line holds a step's tokens, drafts admitted and accepted, the forward's
-measured time and the time the engine's model predicted before it. The replay rebuilds each step's context term from
-the trace (the prompt from the prefill step, then the committed tokens), takes the cached cost record whose curve
+``vllm-treespec bench`` and ``bench serve`` write one trace per method and repeat (``budget-METHOD-rN.jsonl.PID`` in
+``--out``; any run with ``VLLM_TREESPEC_BUDGET_TRACE``). Each line holds a step's tokens, requests, drafts and context
+term, the forward's measured time and the time the engine's model predicted before it. (A batch-1 trace written
+before lines carried drafts and the context term has them rebuilt: the prompt from the prefill step, then the
+committed tokens.) The replay takes the cached cost record whose curve
 gave the trace's first prediction (before any online correction), and runs this checkout's :class:`StepCostModel`
 over the steps: predict, then observe the measured time, as the engine does. Printed per trace: the median of
 predicted / measured - 1 over plain steps and over steps verifying drafts, and the median absolute error, as traced
@@ -22,6 +23,7 @@ import glob
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -34,56 +36,71 @@ PREFILL_TOKENS = 40
 MATCH_TOLERANCE = 1e-4
 
 
-def single_request_steps(path: str) -> list[tuple[dict, int, int, int]] | None:
-    """(trace line, tokens, drafts, sequence length at the step's end) per step; None for a trace with batched
-    steps (the context term needs every request's length, which the trace does not keep)."""
+class Step(NamedTuple):
+    """A traced forward, as the budget priced it: ``excess`` is the context term's E (None: computed from the
+    sequence's end, ``seq_end``, for a batch-1 trace written before traces carried it)."""
+    line: dict
+    tokens: int
+    reqs: int
+    drafts: int
+    excess: float | None
+    seq_end: int = 0
+
+
+def traced_steps(path: str) -> list[Step] | None:
+    """The steps of a trace: as traced where its lines carry each step's draft count (and context term), else
+    rebuilt for a batch-1 trace; None for an older batched trace (the context term needs every request's length,
+    which it does not keep)."""
     lines = [json.loads(line) for line in open(path)]
+    timed = [s for s in lines if s.get("reqs", 0) > 0]
+    if timed and all("drafts" in s for s in timed):
+        return [Step(s, s["tokens"], s["reqs"], s["drafts"], s.get("excess", 0.0)) for s in timed]
     if any(s.get("reqs", 0) > 1 for s in lines):
         return None
     steps, length = [], 0
-    for s in (s for s in lines if s.get("reqs", 0) == 1):
+    for s in timed:
         tokens, drafts = s["tokens"], s.get("admitted", 0)
         if tokens > PREFILL_TOKENS or tokens > drafts + 1:  # a prompt (whole, or its last chunk)
             length = tokens
-            steps.append((s, tokens, 0, length))
+            steps.append(Step(s, tokens, 1, 0, None, length))
             continue
-        steps.append((s, tokens, drafts, length + tokens))
+        steps.append(Step(s, tokens, 1, drafts, None, length + tokens))
         length += 1 + s.get("accepted", 0)
     return steps
 
 
-def excess_of(model: StepCostModel, tokens: int, seq_end: int) -> float:
+def excess_of(model: StepCostModel, step: Step) -> float:
     """The step's context term, as the verifier hands it to the budget (0 where the model prices no context)."""
-    return context_excess(tokens, seq_end, model.reference_context) if model.per_context else 0.0
+    if not model.per_context:
+        return 0.0
+    return step.excess if step.excess is not None else context_excess(step.tokens, step.seq_end,
+                                                                      model.reference_context)
 
 
-def predicted_ms(model: StepCostModel, tokens: int, drafts: int, seq_end: int) -> float:
+def predicted_ms(model: StepCostModel, step: Step) -> float:
     """The model's prediction of a step, as the budget makes it before the step's forward."""
-    return model.predict(tokens, 1, excess_of(model, tokens, seq_end), plain_tokens=tokens - drafts) * 1e3
+    return model.predict(step.tokens, step.reqs, excess_of(model, step), plain_tokens=step.tokens - step.drafts) * 1e3
 
 
-def replay(model: StepCostModel, steps: list[tuple[dict, int, int, int]]
-           ) -> list[tuple[float, float | None, float, bool]]:
+def replay(model: StepCostModel, steps: list[Step]) -> list[tuple[float, float | None, float, bool]]:
     """(replayed ms, traced ms, measured ms, verifying) per timed step."""
     out = []
-    for line, tokens, drafts, seq_end in steps:
-        predicted = predicted_ms(model, tokens, drafts, seq_end)
-        measured = line.get("forward_ms")
+    for step in steps:
+        predicted = predicted_ms(model, step)
+        measured = step.line.get("forward_ms")
         if measured:
-            out.append((predicted, line.get("predicted_ms"), measured, drafts > 0))
-            model.observe(tokens, 1, measured / 1e3, excess_of(model, tokens, seq_end), drafts=drafts)
+            out.append((predicted, step.line.get("predicted_ms"), measured, step.drafts > 0))
+            model.observe(step.tokens, step.reqs, measured / 1e3, excess_of(model, step), drafts=step.drafts)
     return out
 
 
-def record_for(steps: list[tuple[dict, int, int, int]], records: dict[str, CostRecord]) -> CostRecord | None:
+def record_for(steps: list[Step], records: dict[str, CostRecord]) -> CostRecord | None:
     """The cached record whose uncorrected curve made the trace's first prediction."""
-    first = next(((line, tokens, drafts, seq) for line, tokens, drafts, seq in steps if line.get("predicted_ms")),
-                 None)
+    first = next((step for step in steps if step.line.get("predicted_ms")), None)
     if first is None:
         return None
-    line, tokens, drafts, seq_end = first
     for record in records.values():
-        if abs(predicted_ms(record.step_model(), tokens, drafts, seq_end) / line["predicted_ms"] - 1) < MATCH_TOLERANCE:
+        if abs(predicted_ms(record.step_model(), first) / first.line["predicted_ms"] - 1) < MATCH_TOLERANCE:
             return record
     return None
 
@@ -113,7 +130,7 @@ def main() -> None:
     traced_all, replayed_all = [], []
     print(f"{'trace':44} {'traced: plain / verifying / |all|':>36}   {'replayed: plain / verifying / |all|':>38}")
     for path in paths:
-        steps = single_request_steps(path)
+        steps = traced_steps(path)
         record = record_for(steps, records) if steps else None
         if record is None:
             print(f"{path[-44:]:44} skipped: {'batched steps' if steps is None else 'no cached record made it'}")

@@ -1,5 +1,6 @@
-"""scripts/replay_cost_trace.py on a made-up batch-1 trace: it rebuilds each step's context, finds the cached record
-that made the trace's first prediction, and replays the engine's predict-then-observe loop exactly."""
+"""scripts/replay_cost_trace.py on made-up traces: it rebuilds a batch-1 trace's context (or reads a batched trace's),
+finds the cached record that made the trace's first prediction, and replays the engine's predict-then-observe loop
+exactly."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ def test_the_replay_finds_the_record_and_reproduces_the_engines_predictions(tmp_
     used, other = record(1.0), record(1.5)
     trace = tmp_path / "budget-graft-r1.jsonl.1"
     trace.write_text("".join(json.dumps(line) + "\n" for line in traced(used, 1.2)))
-    steps = script.single_request_steps(str(trace))
+    steps = script.traced_steps(str(trace))
     # the prompt; then each step ends at the positions computed so far (+ 1 + accepted per step) plus its rows
-    assert [seq for *_, seq in steps[:5]] == [100, 106, 104, 110, 108]
+    assert [step.seq_end for step in steps[:5]] == [100, 106, 104, 110, 108]
     records = {"other": other, "used": used}
     assert script.record_for(steps, records) is used
     rows = script.replay(used.step_model(), steps)
@@ -56,8 +57,29 @@ def test_the_replay_finds_the_record_and_reproduces_the_engines_predictions(tmp_
     assert abs(plain) < 0.05 and abs(verifying) < 0.05 and absolute < 0.1
 
 
-def test_batched_traces_are_skipped(tmp_path):
+def test_a_batched_trace_replays_from_its_own_draft_counts_and_context_terms(tmp_path):
+    """Lines that carry each step's drafts and context term (as the budget writes them) replay as traced, whatever
+    the batch; a batched trace written before they did is skipped."""
     script = load_script("replay_cost_trace")
-    trace = tmp_path / "budget-graft-r1.jsonl.1"
-    trace.write_text(json.dumps({"reqs": 2, "tokens": 2}) + "\n")
-    assert script.single_request_steps(str(trace)) is None
+    used = record(1.0)
+    model = used.step_model()
+    lines = []
+    for j in range(30):
+        reqs, drafts = 8, (5 if j % 3 else 0)
+        tokens, excess = reqs + drafts, float(reqs * 1500 + 40 * j)
+        predicted = model.predict(tokens, reqs, excess, plain_tokens=tokens - drafts)
+        measured = (1.3 if drafts else 1.1) * float(model.base(tokens, reqs, excess))
+        lines.append({"reqs": reqs, "tokens": tokens, "drafts": drafts, "excess": excess,
+                      "predicted_ms": predicted * 1e3, "forward_ms": measured * 1e3})
+        model.observe(tokens, reqs, measured, excess, drafts=drafts)
+    trace = tmp_path / "budget-graft-r1.jsonl.2"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    steps = script.traced_steps(str(trace))
+    assert [(s.reqs, s.drafts, s.excess) for s in steps[:2]] == [(8, 0, 12000.0), (8, 5, 12040.0)]
+    assert script.record_for(steps, {"other": record(1.5), "used": used}) is used
+    rows = script.replay(used.step_model(), steps)
+    assert len(rows) == 30
+    assert [r for r, *_ in rows] == pytest.approx([t for _, t, *_ in rows], rel=1e-9)
+    old = tmp_path / "budget-graft-r1.jsonl.1"
+    old.write_text(json.dumps({"reqs": 2, "tokens": 2}) + "\n")
+    assert script.traced_steps(str(old)) is None
