@@ -206,11 +206,12 @@ def main() -> int:
     if args.child is not None:
         run_child(args)
         return 0
-    from vllm_treespec.tools.bench import BenchError, never_drafting_labels, parse_methods, round_order
+    from vllm_treespec.tools.bench import BenchError, load_questions, never_drafting_labels, parse_methods, round_order
 
     try:
         specs = parse_methods(args.methods)
         plain = never_drafting_labels(args.plain, specs)
+        load_questions(args.prompts.split(","), None)  # here, not after each child's engine has started
     except BenchError as e:
         raise SystemExit(f"step_split: {e}") from None
     summaries: dict[str, list[dict]] = collections.defaultdict(list)
