@@ -5,13 +5,13 @@ traced engine made.
 ``--out``; any run with ``VLLM_TREESPEC_BUDGET_TRACE``). Each line holds a step's tokens, requests, drafts and context
 term, the forward's measured time and the time the engine's model predicted before it. (A batch-1 trace written
 before lines carried drafts and the context term has them rebuilt: the prompt from the prefill step, then the
-committed tokens.) The replay takes the cached cost record whose curve
-gave the trace's first prediction (before any online correction), and runs this checkout's :class:`StepCostModel`
-over the steps: predict, then observe the measured time, as the engine does. Printed per trace: the median of
-predicted / measured - 1 over plain steps and over steps verifying drafts, and the median absolute error, as traced
-and as replayed; then the medians over traces. A trace whose record an engine has since re-measured (its start-up
-spot check replaces a cached curve that no longer fits) matches no record and is skipped, so a rerun can cover fewer
-traces than the first.
+committed tokens.) The replay takes the step-cost record the traced worker kept next to its trace
+(``<trace>.cost.json``), else the cached record whose curve gave the trace's first prediction (before any online
+correction), and runs this checkout's :class:`StepCostModel` over the steps: predict, then observe the measured
+time, as the engine does. Printed per trace: the median of predicted / measured - 1 over plain steps and over steps
+verifying drafts, and the median absolute error, as traced and as replayed; then the medians over traces. An older
+trace without its record, whose cached record an engine has since re-measured (its start-up spot check replaces a
+cached curve that no longer fits), matches no record and is skipped.
 
     python scripts/replay_cost_trace.py OUT_DIR/budget-*.jsonl.*
 """
@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from vllm_treespec.cost import trace
 from vllm_treespec.cost.model import CACHE_SUBDIR, CostRecord, StepCostModel, context_excess
 from vllm_treespec.settings import default_cache_dir
 
@@ -94,8 +95,12 @@ def replay(model: StepCostModel, steps: list[Step]) -> list[tuple[float, float |
     return out
 
 
-def record_for(steps: list[Step], records: dict[str, CostRecord]) -> CostRecord | None:
-    """The cached record whose uncorrected curve made the trace's first prediction."""
+def record_for(steps: list[Step], records: dict[str, CostRecord], path: str | None = None) -> CostRecord | None:
+    """The record the trace's worker kept next to it (:func:`vllm_treespec.cost.trace.record_file`), else the cached
+    record whose uncorrected curve made the trace's first prediction."""
+    kept = trace.record_file(path) if path is not None else None
+    if kept is not None and kept.exists():
+        return msgspec.json.decode(kept.read_bytes(), type=CostRecord)
     first = next((step for step in steps if step.line.get("predicted_ms")), None)
     if first is None:
         return None
@@ -126,12 +131,13 @@ def main() -> None:
                         help="the step-cost cache the traced engines read (default: this user's)")
     args = parser.parse_args()
     records = {str(p): msgspec.json.decode(p.read_bytes(), type=CostRecord) for p in Path(args.cache).glob("*.json")}
-    paths = sorted({p for pattern in args.traces for p in (glob.glob(pattern) or [pattern])})
+    paths = sorted({p for pattern in args.traces for p in (glob.glob(pattern) or [pattern])
+                    if not p.endswith(trace.RECORD_SUFFIX)})
     traced_all, replayed_all = [], []
     print(f"{'trace':44} {'traced: plain / verifying / |all|':>36}   {'replayed: plain / verifying / |all|':>38}")
     for path in paths:
         steps = traced_steps(path)
-        record = record_for(steps, records) if steps else None
+        record = record_for(steps, records, path) if steps else None
         if record is None:
             print(f"{path[-44:]:44} skipped: {'batched steps' if steps is None else 'no cached record made it'}")
             continue

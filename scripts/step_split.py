@@ -147,7 +147,7 @@ def run_child(args: argparse.Namespace) -> None:
     from vllm_treespec.tools.models import ensure_smollm2
 
     cpu_memory_defaults()
-    llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=2048,
+    llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.batch_size,
               enforce_eager=True, seed=0, speculative_config=json.loads(args.child))
     tokenizer = llm.get_tokenizer()
@@ -189,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", default="sharegpt[2200:2202]",
                         help="prompt sets as vllm-treespec bench takes them (default: ShareGPT 2200-2201, outside the shipped head's training prompts)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the engine's (bench serve's default)")
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="prompts per generate call (the engine's max_num_seqs)")
@@ -222,6 +223,7 @@ def main() -> int:
                   f"{f', repeat {repeat + 1}' if args.repeats > 1 else ''})", flush=True)
             command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()),
                        "--dtype", args.dtype, "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
+                       "--max-model-len", str(args.max_model_len),
                        "--batch-size", str(args.batch_size)] + (
                            ["--model", args.model] if args.model else []) + (["--never-draft"] if never else [])
             result = subprocess.run(command, capture_output=True, text=True)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from script_helpers import load_script
 
+from vllm_treespec.cost import trace
 from vllm_treespec.cost.model import FORMAT_VERSION, CostKey, CostRecord, StepSample, context_excess
 
 KEY = CostKey(model="/models/smollm2", dtype="float32", device="AMD EPYC 7B13", vllm_version="0.32.0+cpu",
@@ -72,11 +74,14 @@ def test_a_batched_trace_replays_from_its_own_draft_counts_and_context_terms(tmp
         lines.append({"reqs": reqs, "tokens": tokens, "drafts": drafts, "excess": excess,
                       "predicted_ms": predicted * 1e3, "forward_ms": measured * 1e3})
         model.observe(tokens, reqs, measured, excess, drafts=drafts)
-    trace = tmp_path / "budget-graft-r1.jsonl.2"
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    steps = script.traced_steps(str(trace))
+    trace_path = tmp_path / "budget-graft-r1.jsonl.2"
+    trace_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    steps = script.traced_steps(str(trace_path))
     assert [(s.reqs, s.drafts, s.excess) for s in steps[:2]] == [(8, 0, 12000.0), (8, 5, 12040.0)]
     assert script.record_for(steps, {"other": record(1.5), "used": used}) is used
+    # the record the worker kept beside its trace is taken first, whatever the cache holds now
+    trace.record_file(trace_path).write_bytes(msgspec.json.encode(used))
+    assert script.record_for(steps, {"other": record(1.5)}, str(trace_path)) == used
     rows = script.replay(used.step_model(), steps)
     assert len(rows) == 30
     assert [r for r, *_ in rows] == pytest.approx([t for _, t, *_ in rows], rel=1e-9)

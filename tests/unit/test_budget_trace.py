@@ -4,6 +4,7 @@ per time window; off when the variable is unset."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -60,10 +61,30 @@ def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     assert first["factor"] == pytest.approx(1.0) and first["forward_ms"] >= 0.0
     assert first["predicted_ms"] == pytest.approx(50.0)  # the flat 50 ms curve, before the step refined it
     assert first["accepted"] == 0  # the step committed only the target's token
+    assert first["drafts"] == 4 and "excess" not in first  # this model prices no context
     assert lines[1]["gate"] == "draft" and lines[1]["best"] > lines[1]["plain"] > 0
     summary = trace.summarize(lines)
     assert summary["steps"] == 2 and summary["drafted"] == 2 and summary["probes"] == 1
     assert summary["verifying_steps"] == 2 and summary["admitted_per_verifying_step"] == 4
+
+
+def test_a_worker_keeps_its_step_cost_record_next_to_its_trace(monkeypatch, tmp_path):
+    """A later engine's start-up check may measure the cached curve again and replace it: the record a traced
+    worker's model was fitted on is kept beside its trace, apart from the trace files, and cleared with them."""
+    from vllm_treespec.cost.model import FORMAT_VERSION, CostKey, CostRecord, StepSample
+
+    base = tmp_path / "budget-graft-r1.jsonl"
+    monkeypatch.setenv(trace.TRACE_ENV, str(base))
+    key = CostKey(model="m", dtype="float32", device="cpu", vllm_version="0.32.0", torch_threads=1)
+    record = CostRecord(format_version=FORMAT_VERSION, key=key, measured_at=1.0, drafters={},
+                        samples=[StepSample(t, 1, 0.04 + 0.001 * t) for t in (1, 2, 4, 8)])
+    budget = StepBudget.from_record(record, max_nodes=8)
+    budget.trace.close()
+    (trace_file,) = trace.files(base)
+    assert trace.record_file(trace_file).exists()
+    assert msgspec.json.decode(trace.record_file(trace_file).read_bytes(), type=CostRecord) == record
+    trace.clear(base)
+    assert not list(tmp_path.iterdir())
 
 
 def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):

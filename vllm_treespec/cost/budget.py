@@ -115,7 +115,10 @@ class StepBudget:
         """``model``: the record's step model when the caller has fitted it already."""
         samples = record.drafters.get(drafter or "", [])
         drafter_cost = CurveModel.fit(samples) if samples else None
-        return cls(model if model is not None else record.step_model(), max_nodes, drafter_cost, **options)
+        budget = cls(model if model is not None else record.step_model(), max_nodes, drafter_cost, **options)
+        if budget.trace is not None:
+            budget.trace.keep_record(record)
+        return budget
 
     @classmethod
     def for_runner(cls, runner: Any, max_nodes: int, refresh: bool = False, sweep: dict[str, Any] | None = None,

@@ -49,6 +49,7 @@ class BudgetTrace:
 
     def __init__(self, stream: IO[bytes]) -> None:
         self.stream = stream
+        self.path: Path | None = None  # the file, when opened by from_env
         self.current: dict[str, Any] | None = None
         self.planned: dict[str, Any] = {}
 
@@ -59,7 +60,14 @@ class BudgetTrace:
             return None
         target = Path(f"{path}.{os.getpid()}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        return cls(open(target, "ab"))  # noqa: SIM115 - lives as long as the worker
+        trace = cls(open(target, "ab"))  # noqa: SIM115 - lives as long as the worker
+        trace.path = target
+        return trace
+
+    def keep_record(self, record: Any) -> None:
+        """Write the step-cost record the worker's model was fitted on next to the trace (:func:`record_file`)."""
+        if self.path is not None:
+            record_file(self.path).write_bytes(msgspec.json.encode(record))
 
     def note(self, **fields: Any) -> None:
         """Fields of the step whose forward started last."""
@@ -87,15 +95,26 @@ class BudgetTrace:
         self.stream.flush()
 
 
+#: next to each worker's trace file, the step-cost record its model was fitted on (a later engine's start-up check
+#: may measure the cached curve again and replace it, and a replay needs the curve the trace's predictions came from)
+RECORD_SUFFIX = ".cost.json"
+
+
 def files(base: Path) -> list[Path]:
     """The files the workers wrote for the trace path ``base`` (one per worker: ``base.<pid>``)."""
-    return sorted(Path(base).parent.glob(f"{Path(base).name}.*"))
+    return sorted(p for p in Path(base).parent.glob(f"{Path(base).name}.*") if not p.name.endswith(RECORD_SUFFIX))
+
+
+def record_file(trace_file: Path | str) -> Path:
+    """Where the worker that wrote ``trace_file`` keeps its step-cost record."""
+    return Path(f"{trace_file}{RECORD_SUFFIX}")
 
 
 def clear(base: Path) -> None:
-    """Remove an earlier run's files for ``base`` (workers append)."""
+    """Remove an earlier run's files for ``base`` (workers append), their records too."""
     for path in files(base):
         path.unlink()
+        record_file(path).unlink(missing_ok=True)
 
 
 def verifying_share(summary: dict[str, Any] | None) -> float | None:
