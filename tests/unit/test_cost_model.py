@@ -184,26 +184,6 @@ def test_plain_steps_and_verifying_steps_learn_apart():
     assert fresh.predict(8, 8, plain_tokens=8) == pytest.approx(1.3 * float(fresh.base(8, 8)), rel=0.05)
 
 
-def test_a_verifying_step_is_priced_on_the_plain_steps_correction_of_its_batch():
-    """At 4 requests the verifying steps cost 10% above the curve; at 16 requests every step costs 25% more than
-    the curve says (load the sweep did not see) and verifying steps are rare. A verifying step at 16 requests is
-    priced by the plain steps' correction there times what drafts added at 4 requests, not by the verifying steps'
-    table alone (which priced it 12% low: the verifying steps at 16 requests of a served bf16 run were 10% low)."""
-    model = StepCostModel.fit(samples_of(cpu_like))
-
-    def observe(tokens, reqs, drafts, scale):
-        model.observe(tokens, reqs, scale * float(model.base(tokens, reqs)), drafts=drafts)
-
-    for _ in range(60):
-        observe(4, 4, 0, 1.0)
-        observe(16, 4, 12, 1.1)  # 4 requests' trees
-    for _ in range(60):
-        observe(16, 16, 0, 1.25)
-    assert model.predict(16, 16, plain_tokens=16) == pytest.approx(1.25 * float(model.base(16, 16)), rel=0.01)
-    assert model.predict(21, 16, plain_tokens=16) == pytest.approx(1.25 * 1.1 * float(model.base(21, 16)), rel=0.02)
-    assert model.predict(16, 4, plain_tokens=4) == pytest.approx(1.1 * float(model.base(16, 4)), rel=0.01)
-
-
 def numpy_prediction(model, tokens, num_reqs=1, excess=0.0, plain_tokens=None):
     """What :meth:`StepCostModel.predict_many` computes, by the model's NumPy parts (its path without Numba)."""
     tokens = np.asarray(tokens, np.float64)

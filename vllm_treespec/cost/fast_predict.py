@@ -44,10 +44,9 @@ def _correction(x, anchors, logs):
 
 @njit(cache=True)
 def predict_kernel(tokens, excess, num_reqs, plain_tokens, split, curve_x, curve_y, tail_slope, per_request,
-                   per_context, plain_anchors, plain_logs, under, draft_anchors, draft_logs):
+                   per_context, plain_anchors, plain_logs, draft_anchors, draft_logs):
     """Seconds at each of ``tokens`` (``excess``: the context term's E of each). ``split``: counts above
-    ``plain_tokens`` take the plain steps' correction at ``plain_tokens`` (``under``) times the verifying steps'
-    (``draft_*``), the others the plain steps'."""
+    ``plain_tokens`` take the verifying steps' correction (``draft_*``), the others the plain steps'."""
     out = np.empty(tokens.shape[0])
     last = curve_x.shape[0] - 1
     request_term = per_request * max(num_reqs - 1, 0)
@@ -61,7 +60,7 @@ def predict_kernel(tokens, excess, num_reqs, plain_tokens, split, curve_x, curve
         if per_context != 0.0:
             seconds = max(seconds + per_context * excess[i], 0.5 * seconds)
         if split and t > plain_tokens:
-            seconds *= under * _correction(t, draft_anchors, draft_logs)
+            seconds *= _correction(t, draft_anchors, draft_logs)
         else:
             seconds *= _correction(t, plain_anchors, plain_logs)
         out[i] = seconds

@@ -20,12 +20,7 @@
   steps that verify drafts learn apart (``correction``, ``draft_correction``; a prediction names the step's tokens
   without drafts, ``plain_tokens``): the sweep times one request's tree rows, and eight requests' decode rows cost
   less than one request's eight tree rows, so a table shared by both kinds priced a plain step by its last verifying
-  steps of about as many tokens (fp32, 7 requests: plain steps predicted at ~97 ms, measured ~70). A verifying step
-  is priced at the plain steps' correction at its tokens without drafts times the verifying steps' own, which learns
-  what its drafts cost beyond that: the many plain steps keep both kinds up with drift and with the load of their
-  batch, while verifying steps, rare at a busy server, learn only the price of tree rows (when they learnt all of
-  it, a few verifying steps at 16 requests were predicted ~5-15% low after the steps at 1-8 requests had taught the
-  table).
+  steps of about as many tokens (fp32, 7 requests: plain steps predicted at ~97 ms, measured ~70).
 
 Nothing here is specific to a device: a GPU's measured points give a flat ``f`` and so a flat curve. The fitted points
 are cached on disk per engine (:class:`CostCache`, keyed by :class:`CostKey`); a corrupt or foreign file is ignored
@@ -300,16 +295,15 @@ class StepCostModel:
         return seconds
 
     def factor(self, num_tokens: float | np.ndarray, plain_tokens: float | None = None) -> np.ndarray:
-        """The online correction at each token count: plain steps' up to ``plain_tokens`` (None: at every count,
-        and before any plain step, the verifying steps'); above it, the plain steps' at ``plain_tokens`` times the
-        verifying steps' own at the count (each 1 before its first observation)."""
+        """The online correction at each token count: plain steps' up to ``plain_tokens`` (None: at every count),
+        that of steps verifying drafts above it; a table with no observation yet borrows the other's."""
         tokens = np.asarray(num_tokens, np.float64)
         plain_table = self.correction if self.correction.observed else self.draft_correction
         plain = plain_table.factor(tokens)
         if plain_tokens is None:
             return plain
-        verifying = self.correction.factor(float(plain_tokens)) * self.draft_correction.factor(tokens)
-        return np.where(tokens > plain_tokens, verifying, plain)
+        draft_table = self.draft_correction if self.draft_correction.observed else plain_table
+        return np.where(tokens > plain_tokens, draft_table.factor(tokens), plain)
 
     def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
                      plain_tokens: float | None = None) -> np.ndarray:
@@ -328,13 +322,12 @@ class StepCostModel:
         else:
             excess = np.ascontiguousarray(np.broadcast_to(np.asarray(excess, np.float64), tokens.shape).reshape(-1))
         plain_table = self.correction if self.correction.observed else self.draft_correction
+        draft_table = self.draft_correction if self.draft_correction.observed else plain_table
         plain_anchors, plain_logs = plain_table.knots()
-        draft_anchors, draft_logs = self.draft_correction.knots()
-        under = 1.0 if plain_tokens is None else float(self.correction.factor(float(plain_tokens)))
+        draft_anchors, draft_logs = draft_table.knots()
         seconds = kernel(flat, excess, int(num_reqs), 0.0 if plain_tokens is None else float(plain_tokens),
                          plain_tokens is not None, self.curve.x, self.curve.y, float(self.curve.tail_slope),
-                         self.per_request, self.per_context, plain_anchors, plain_logs, under, draft_anchors,
-                         draft_logs)
+                         self.per_request, self.per_context, plain_anchors, plain_logs, draft_anchors, draft_logs)
         return seconds if seconds.shape == tokens.shape else seconds.reshape(tokens.shape)
 
     def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0,
@@ -352,18 +345,12 @@ class StepCostModel:
     # --- online refinement -----------------------------------------------------------------------------------------
     def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0, drafts: int = 0) -> None:
         """Fold one observed step time into the correction of its token bucket: the plain steps' table, or with
-        ``drafts`` > 0 (draft tokens verified in the step) that of steps verifying drafts, as a ratio to the plain
-        steps' correction at the step's tokens without drafts."""
+        ``drafts`` > 0 (draft tokens verified in the step) that of steps verifying drafts."""
         base = self.curve.at(float(num_tokens)) + self.per_request * max(int(num_reqs) - 1, 0)
         if self.per_context:  # as base()
             base = max(base + self.per_context * float(excess), 0.5 * base)
-        if base <= 0:
-            return
-        if drafts > 0:
-            under = float(self.correction.factor(float(max(num_tokens - drafts, 1))))
-            self.draft_correction.observe(num_tokens, seconds / (base * under))
-        else:
-            self.correction.observe(num_tokens, seconds / base)
+        if base > 0:
+            (self.draft_correction if drafts > 0 else self.correction).observe(num_tokens, seconds / base)
 
     def table(self, tokens: Sequence[int], num_reqs: int = 1) -> list[tuple[int, int, float, float]]:
         """(tokens, requests, seconds, marginal seconds per token) for each token count."""
