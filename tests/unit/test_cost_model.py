@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRecord, CurveModel, PiecewiseLinear,
-                                      StepCostModel, StepSample, context_excess, isotonic, load_or_measure)
+                                      MAX_CACHED_SPREAD, StepCostModel, StepSample, context_excess, isotonic,
+                                      load_or_measure)
 
 GRID = [1, 2, 4, 8, 16, 32, 64]
 
@@ -309,6 +310,25 @@ def test_load_or_measure_measures_once_then_reads_the_cache(tmp_path, log_lines)
     record3, cached3 = load_or_measure(KEY, measure, cache)
     assert not cached3 and calls == [1, 1] and len(log_lines) == 1
     assert cache.load(KEY) == record  # re-measured and rewritten
+
+
+def test_a_sweep_whose_rounds_disagree_is_used_but_not_cached(tmp_path, log_lines):
+    """A busy machine's start-up sweep (rounds 30-60% apart) must not become every later engine's curve: the engine
+    that measured it uses it; the record it was to replace stays cached; a sweep whose rounds agree replaces it."""
+    cache = CostCache(tmp_path)
+    old = record_of()
+    cache.save(old)
+    noisy = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like, noise=0.2, seed=3))
+    assert noisy.round_spread > MAX_CACHED_SPREAD
+    record, cached = load_or_measure(KEY, lambda: noisy, cache, refresh=True)
+    assert record is noisy and not cached
+    assert cache.load(KEY) == old and "disagree" in log_lines[-1].getMessage()
+    quiet = CostRecord(FORMAT_VERSION, KEY, samples_of(lambda t, r: 1.1 * cpu_like(t, r), noise=0.02, seed=3))
+    assert quiet.round_spread < MAX_CACHED_SPREAD
+    load_or_measure(KEY, lambda: quiet, cache, refresh=True)
+    assert cache.load(KEY) == quiet
+    assert CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like)).round_spread == 0.0  # every round alike
+    assert record_of().round_spread is None  # no point timed three times
 
 
 def test_unwritable_cache_logs_and_goes_on(tmp_path, log_lines):

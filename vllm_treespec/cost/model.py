@@ -59,6 +59,11 @@ MAX_OBSERVED_RATIO = 4.0
 #: a sweep with fewer single-request token counts than this (its grid ended early: the machine was busy) is used
 #: for the engine that measured it but not cached
 MIN_CACHED_POINTS = 4
+#: nor is a sweep whose rounds disagree: the median over its points of (slowest - fastest) / median above this. A
+#: busy machine's start-up sweep (bf16, 2-core EPYC: 0.34, single points 0.14-0.66; quiet sweeps 0.06-0.15) priced 24
+#: tokens below 16, and every later engine of the machine verified at that price (16-request verifying steps 21-26%
+#: above their predictions)
+MAX_CACHED_SPREAD = 0.25
 
 
 class StepSample(msgspec.Struct, frozen=True):
@@ -427,6 +432,16 @@ class CostRecord(msgspec.Struct, forbid_unknown_fields=True):
     def single_request_points(self) -> int:
         return len({s.num_tokens for s in self.samples if s.num_reqs == 1 and s.context_len in (0, self.context_len)})
 
+    @property
+    def round_spread(self) -> float | None:
+        """How far the sweep's rounds disagree: the median over its points timed at least three times of (slowest -
+        fastest) / median; None when no point was."""
+        times: dict[tuple[int, int, int], list[float]] = {}
+        for s in self.samples:
+            times.setdefault((s.num_tokens, s.num_reqs, s.context_len), []).append(s.seconds)
+        spreads = [(max(v) - min(v)) / float(np.median(v)) for v in times.values() if len(v) >= 3 and np.median(v) > 0]
+        return float(np.median(spreads)) if spreads else None
+
 
 def _key_difference(found: CostKey, wanted: CostKey) -> str:
     fields = [f for f in CostKey.__struct_fields__ if getattr(found, f) != getattr(wanted, f)]
@@ -504,7 +519,8 @@ def load_or_measure(key: CostKey, measure: Callable[[], CostRecord], cache: Cost
     """The cached record for ``key`` or a fresh ``measure()``; returns (record, came from cache). ``check``: a
     spot check of a cached record against the engine as it runs now (None when it holds, else why not: then one
     log line and a fresh measurement). A fresh record is saved when it covers at least ``MIN_CACHED_POINTS``
-    token counts."""
+    token counts and its rounds agree (``MAX_CACHED_SPREAD``); else only this engine uses it, and a cached record
+    it was to replace stays for the next engine to check."""
     cache = cache or CostCache()
     record = None if refresh else cache.load(key)
     if record is not None:
@@ -514,9 +530,13 @@ def load_or_measure(key: CostKey, measure: Callable[[], CostRecord], cache: Cost
         logger.warning("vllm_treespec: the cached step-cost curve %s no longer fits this engine (%s); measuring "
                        "again", cache.path(key), stale)
     record = measure()
-    if record.single_request_points >= MIN_CACHED_POINTS:
-        cache.save(record)
-    else:
+    spread = record.round_spread
+    if record.single_request_points < MIN_CACHED_POINTS:
         logger.warning("vllm_treespec: the step-cost sweep covered %d token counts (the machine was busy?); using it "
                        "for this engine, not caching it", record.single_request_points)
+    elif spread is not None and spread > MAX_CACHED_SPREAD:
+        logger.warning("vllm_treespec: the step-cost sweep's rounds disagree by %.0f%% at a median point (the machine "
+                       "was busy?); using it for this engine, not caching it", 100 * spread)
+    else:
+        cache.save(record)
     return record, False
