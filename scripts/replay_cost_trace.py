@@ -13,7 +13,7 @@ verifying drafts, and the median absolute error, as traced and as replayed; then
 trace without its record, whose cached record an engine has since re-measured (its start-up spot check replaces a
 cached curve that no longer fits), matches no record and is skipped.
 
-    python scripts/replay_cost_trace.py OUT_DIR/budget-*.jsonl.*
+    python scripts/replay_cost_trace.py OUT_DIR/budget-*.jsonl.* [--by-requests] [--record CURVE.json]
 """
 
 from __future__ import annotations
@@ -120,6 +120,24 @@ def errors(rows: list[tuple[float, float, bool]]) -> tuple[float | None, float |
             median([abs(e) for e, _ in relative]))
 
 
+#: request ranges of --by-requests: what bench serve's levels of 2, 4, 8 and 16 requests fill
+REQUEST_RANGES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 1 << 30))
+
+
+def by_requests(steps: list[Step], rows: list[tuple[float, float | None, float, bool]]) -> str:
+    """Median errors (traced / replayed) over the verifying steps of each range of requests, steps in brackets."""
+    timed = [step for step in steps if step.line.get("forward_ms")]
+    parts = []
+    for low, high in REQUEST_RANGES:
+        picked = [(r, t, m) for step, (r, t, m, v) in zip(timed, rows) if v and low <= step.reqs <= high]
+        if picked:
+            traced = statistics.median(t / m - 1 for _, t, m in picked) if all(t for _, t, _ in picked) else None
+            replayed = statistics.median(r / m - 1 for r, _, m in picked)
+            name = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
+            parts.append(f"{name}: {percent(traced).strip()} / {percent(replayed).strip()} ({len(picked)})")
+    return ", ".join(parts) or "none"
+
+
 def percent(value: float | None) -> str:
     return "   -  " if value is None else f"{100 * value:+5.1f}%"
 
@@ -129,15 +147,21 @@ def main() -> None:
     parser.add_argument("traces", nargs="+", help="budget trace files (globs are expanded)")
     parser.add_argument("--cache", default=str(default_cache_dir() / CACHE_SUBDIR),
                         help="the step-cost cache the traced engines read (default: this user's)")
+    parser.add_argument("--record", default=None,
+                        help="replay every trace on this record's curve instead of its engine's (a curve measured "
+                             "again, say: vllm-treespec cost-model writes the cache)")
+    parser.add_argument("--by-requests", action="store_true",
+                        help="also print each trace's median error over its verifying steps by requests in the step")
     args = parser.parse_args()
     records = {str(p): msgspec.json.decode(p.read_bytes(), type=CostRecord) for p in Path(args.cache).glob("*.json")}
+    forced = msgspec.json.decode(Path(args.record).read_bytes(), type=CostRecord) if args.record else None
     paths = sorted({p for pattern in args.traces for p in (glob.glob(pattern) or [pattern])
                     if not p.endswith(trace.RECORD_SUFFIX)})
     traced_all, replayed_all = [], []
     print(f"{'trace':44} {'traced: plain / verifying / |all|':>36}   {'replayed: plain / verifying / |all|':>38}")
     for path in paths:
         steps = traced_steps(path)
-        record = record_for(steps, records, path) if steps else None
+        record = (forced or record_for(steps, records, path)) if steps else None
         if record is None:
             print(f"{path[-44:]:44} skipped: {'batched steps' if steps is None else 'no cached record made it'}")
             continue
@@ -148,6 +172,8 @@ def main() -> None:
         replayed_all.append(replayed)
         print(f"{path[-44:]:44} {'  /  '.join(percent(e) for e in traced):>36}   "
               f"{'  /  '.join(percent(e) for e in replayed):>38}")
+        if args.by_requests:
+            print("    verifying steps by requests, traced / replayed: " + by_requests(steps, rows))
     if not traced_all:
         return
     for name, results in (("traced", traced_all), ("replayed", replayed_all)):
