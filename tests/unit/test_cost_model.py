@@ -319,15 +319,24 @@ def test_a_sweep_whose_rounds_disagree_is_used_but_not_cached(tmp_path, log_line
     old = record_of()
     cache.save(old)
     noisy = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like, noise=0.2, seed=3))
-    assert noisy.round_spread > MAX_CACHED_SPREAD
+    assert noisy.round_spread > MAX_CACHED_SPREAD and "disagree" in noisy.not_cacheable()
     record, cached = load_or_measure(KEY, lambda: noisy, cache, refresh=True)
     assert record is noisy and not cached
     assert cache.load(KEY) == old and "disagree" in log_lines[-1].getMessage()
     quiet = CostRecord(FORMAT_VERSION, KEY, samples_of(lambda t, r: 1.1 * cpu_like(t, r), noise=0.02, seed=3))
-    assert quiet.round_spread < MAX_CACHED_SPREAD
+    assert quiet.round_spread < MAX_CACHED_SPREAD and quiet.not_cacheable() is None
     load_or_measure(KEY, lambda: quiet, cache, refresh=True)
     assert cache.load(KEY) == quiet
     assert CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like)).round_spread == 0.0  # every round alike
+    # a cached curve that fails its spot check on a busy machine: a noisier sweep does not replace it, even for this
+    # engine (the online correction follows the level); a sweep as noisy without a quieter cache is used
+    record, cached = load_or_measure(KEY, lambda: noisy, cache, check=lambda record: "off by 2x")
+    assert record == quiet and cached and "keeping the cached curve" in log_lines[-1].getMessage()
+    assert cache.load(KEY) == quiet
+    rougher = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like, noise=0.3, seed=4))
+    cache.save(rougher)
+    record, cached = load_or_measure(KEY, lambda: noisy, cache, check=lambda record: "off by 2x")
+    assert record is noisy and not cached and cache.load(KEY) == rougher
     assert record_of().round_spread is None  # no point timed three times
 
 

@@ -432,6 +432,17 @@ class CostRecord(msgspec.Struct, forbid_unknown_fields=True):
     def single_request_points(self) -> int:
         return len({s.num_tokens for s in self.samples if s.num_reqs == 1 and s.context_len in (0, self.context_len)})
 
+    def not_cacheable(self) -> str | None:
+        """Why this record must not become the machine's cached curve (None: it may): a grid that ended early or
+        rounds that disagree (the machine was busy?)."""
+        if self.single_request_points < MIN_CACHED_POINTS:
+            return f"the sweep covered {self.single_request_points} token counts (the machine was busy?)"
+        spread = self.round_spread
+        if spread is not None and spread > MAX_CACHED_SPREAD:
+            return (f"the sweep's rounds disagree by {100 * spread:.0f}% at a median point, more than "
+                    f"{100 * MAX_CACHED_SPREAD:.0f}% (the machine was busy?)")
+        return None
+
     @property
     def round_spread(self) -> float | None:
         """How far the sweep's rounds disagree: the median over its points timed at least three times of (slowest -
@@ -520,23 +531,26 @@ def load_or_measure(key: CostKey, measure: Callable[[], CostRecord], cache: Cost
     spot check of a cached record against the engine as it runs now (None when it holds, else why not: then one
     log line and a fresh measurement). A fresh record is saved when it covers at least ``MIN_CACHED_POINTS``
     token counts and its rounds agree (``MAX_CACHED_SPREAD``); else only this engine uses it, and a cached record
-    it was to replace stays for the next engine to check."""
+    it was to replace stays for the next engine to check. A cached record whose rounds agreed better than such a
+    sweep's is kept for this engine too: the online correction follows a level that moved, not a shape measured on
+    a busy machine."""
     cache = cache or CostCache()
-    record = None if refresh else cache.load(key)
-    if record is not None:
-        stale = check(record) if check is not None else None
+    cached = None if refresh else cache.load(key)
+    if cached is not None:
+        stale = check(cached) if check is not None else None
         if stale is None:
-            return record, True
+            return cached, True
         logger.warning("vllm_treespec: the cached step-cost curve %s no longer fits this engine (%s); measuring "
                        "again", cache.path(key), stale)
     record = measure()
-    spread = record.round_spread
-    if record.single_request_points < MIN_CACHED_POINTS:
-        logger.warning("vllm_treespec: the step-cost sweep covered %d token counts (the machine was busy?); using it "
-                       "for this engine, not caching it", record.single_request_points)
-    elif spread is not None and spread > MAX_CACHED_SPREAD:
-        logger.warning("vllm_treespec: the step-cost sweep's rounds disagree by %.0f%% at a median point (the machine "
-                       "was busy?); using it for this engine, not caching it", 100 * spread)
-    else:
+    reason = record.not_cacheable()
+    if reason is None:
         cache.save(record)
+        return record, False
+    spread, before = record.round_spread, cached.round_spread if cached is not None else None
+    if spread is not None and before is not None and before < spread:
+        logger.warning("vllm_treespec: %s; the cached curve's rounds disagreed by %.0f%%: keeping the cached curve",
+                       reason, 100 * before)
+        return cached, True
+    logger.warning("vllm_treespec: %s; using it for this engine, not caching it", reason)
     return record, False

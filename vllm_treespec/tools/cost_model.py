@@ -4,7 +4,8 @@ Starts an engine on the model (default: the embedded SmolLM2-135M-Instruct), run
 :mod:`vllm_treespec.cost.measure` in its worker, fits :class:`~vllm_treespec.cost.model.StepCostModel` and prints
 tokens, requests, measured and fitted ms per step and the marginal ms per added token; writes a matplotlib plot and
 the engine's cost-model cache (what every tree-method engine of the same model, dtype, device, vLLM and thread count
-loads at start-up instead of running its own shorter sweep).
+loads at start-up instead of running its own shorter sweep), unless the sweep's rounds disagree as a busy machine's
+do (:meth:`~vllm_treespec.cost.model.CostRecord.not_cacheable`).
 ``--held-out`` also times points outside the fit grid in the same rounds and prints predicted vs measured.
 """
 
@@ -153,9 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if held_out:
         text, worst = format_held_out(model, held_out)
         print(text)
+    if record.round_spread is not None:
+        print(f"rounds {100 * record.round_spread:.0f}% apart at a median point")
     if not args.no_cache:
-        path = CostCache().save(record)
-        if path is not None:
+        if (reason := record.not_cacheable()) is not None:
+            print(f"cost-model cache: not written: {reason}; every later engine would price its steps by this curve, "
+                  "so measure again when the machine is quiet")
+        elif (path := CostCache().save(record)) is not None:
             print(f"cost-model cache: {path}")
     if args.plot:
         title = f"{Path(key.model).name} {key.dtype}, {key.device}"
