@@ -4,6 +4,8 @@ per time window; off when the variable is unset."""
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import numpy as np
 import pytest
@@ -85,6 +87,13 @@ def test_a_worker_keeps_its_step_cost_record_next_to_its_trace(monkeypatch, tmp_
     assert msgspec.json.decode(trace.record_file(trace_file).read_bytes(), type=CostRecord) == record
     trace.clear(base)
     assert not list(tmp_path.iterdir())
+    # a record that cannot be written leaves the budget in place
+    blocked = tmp_path / "blocked"
+    monkeypatch.setenv(trace.TRACE_ENV, str(blocked / "budget.jsonl"))
+    trace.record_file(f"{blocked / 'budget.jsonl'}.{os.getpid()}").mkdir(parents=True)  # a folder in its place
+    budget = StepBudget.from_record(record, max_nodes=8)
+    assert budget.trace is not None and budget.max_nodes == 8
+    budget.trace.close()
 
 
 def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):

@@ -30,6 +30,7 @@ a write per step; it is off unless the variable is set.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import IO, Any, Iterable
 
 import msgspec
+
+logger = logging.getLogger("vllm.treespec")
 
 TRACE_ENV = "VLLM_TREESPEC_BUDGET_TRACE"
 
@@ -65,9 +68,14 @@ class BudgetTrace:
         return trace
 
     def keep_record(self, record: Any) -> None:
-        """Write the step-cost record the worker's model was fitted on next to the trace (:func:`record_file`)."""
-        if self.path is not None:
+        """Write the step-cost record the worker's model was fitted on next to the trace (:func:`record_file`); a
+        failure costs a replay its curve, never the engine its budget (one log line)."""
+        if self.path is None:
+            return
+        try:
             record_file(self.path).write_bytes(msgspec.json.encode(record))
+        except OSError as error:
+            logger.warning("vllm_treespec: cannot keep the step-cost record beside the trace %s (%s)", self.path, error)
 
     def note(self, **fields: Any) -> None:
         """Fields of the step whose forward started last."""
