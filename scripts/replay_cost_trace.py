@@ -83,15 +83,18 @@ def predicted_ms(model: StepCostModel, step: Step) -> float:
     return model.predict(step.tokens, step.reqs, excess_of(model, step), plain_tokens=step.tokens - step.drafts) * 1e3
 
 
+def timed(steps: list[Step]) -> list[Step]:
+    """The steps whose forward was timed: the ones :func:`replay` predicts and learns from."""
+    return [step for step in steps if step.line.get("forward_ms")]
+
+
 def replay(model: StepCostModel, steps: list[Step]) -> list[tuple[float, float | None, float, bool]]:
     """(replayed ms, traced ms, measured ms, verifying) per timed step."""
     out = []
-    for step in steps:
-        predicted = predicted_ms(model, step)
-        measured = step.line.get("forward_ms")
-        if measured:
-            out.append((predicted, step.line.get("predicted_ms"), measured, step.drafts > 0))
-            model.observe(step.tokens, step.reqs, measured / 1e3, excess_of(model, step), drafts=step.drafts)
+    for step in timed(steps):
+        measured = step.line["forward_ms"]
+        out.append((predicted_ms(model, step), step.line.get("predicted_ms"), measured, step.drafts > 0))
+        model.observe(step.tokens, step.reqs, measured / 1e3, excess_of(model, step), drafts=step.drafts)
     return out
 
 
@@ -125,11 +128,11 @@ REQUEST_RANGES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 1 << 30))
 
 
 def by_requests(steps: list[Step], rows: list[tuple[float, float | None, float, bool]]) -> str:
-    """Median errors (traced / replayed) over the verifying steps of each range of requests, steps in brackets."""
-    timed = [step for step in steps if step.line.get("forward_ms")]
+    """Median errors (traced / replayed) over the verifying steps of each range of requests, steps in brackets
+    (``rows``: :func:`replay`'s, one per :func:`timed` step)."""
     parts = []
     for low, high in REQUEST_RANGES:
-        picked = [(r, t, m) for step, (r, t, m, v) in zip(timed, rows) if v and low <= step.reqs <= high]
+        picked = [(r, t, m) for step, (r, t, m, v) in zip(timed(steps), rows) if v and low <= step.reqs <= high]
         if picked:
             traced = statistics.median(t / m - 1 for _, t, m in picked) if all(t for _, t, _ in picked) else None
             replayed = statistics.median(r / m - 1 for r, _, m in picked)

@@ -154,8 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if held_out:
         text, worst = format_held_out(model, held_out)
         print(text)
-    if record.round_spread is not None:
-        print(f"rounds {100 * record.round_spread:.0f}% apart at a median point")
+    if (spread := record.round_spread) is not None:
+        print(f"rounds {100 * spread:.0f}% apart at a median point")
     if not args.no_cache:
         if (reason := record.not_cacheable()) is not None:
             print(f"cost-model cache: not written: {reason}; every later engine would price its steps by this curve, "
