@@ -367,6 +367,36 @@ def test_deferred_segments_are_written_in_contiguous_runs():
     assert _contiguous_runs(pieces) == [(0, 10, 4), (0, 20, 2), (1, 5, 2), (0, 22, 1)]
 
 
+def test_a_batchs_committed_rows_are_cut_per_request_as_the_context_lays_them_out():
+    """``_segments`` gathers the whole batch at once: request i's rows ``hidden_row_start[i] .. hidden_row_index[i]``
+    of every aux layer side by side, the tokens after them (``token_ids[i, p + 1]``) and their positions; a request
+    without rows this step (start past index) gets no segment, and each segment is a copy the runner may overwrite."""
+    counts = [1, 0, 5, 1, 3, 0]
+    first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    first_position = np.array([40, 7, 12, 99, 0, 3])
+    rng = np.random.default_rng(3)
+    token_ids = rng.integers(0, VOCAB, size=(len(counts), 128)).astype(np.int32)
+    aux = [torch.randn(sum(counts) + 2, HIDDEN) for _ in range(3)]
+    ctx = ProposeContext(req_ids=[f"r{i}" for i in range(len(counts))], sampled_token_ids=[[1]] * len(counts),
+                         num_tokens=first_position + np.array(counts) + 1, token_ids=token_ids, max_nodes=8,
+                         aux_hidden_states=aux, hidden_row_index=first_row + np.array(counts) - 1,
+                         hidden_row_start=first_row, hidden_position_start=first_position)
+    drafter = EagleDrafter.__new__(EagleDrafter)
+    drafter.aux_layers = (2, 15, 27)
+    segments = drafter._segments(ctx)
+    assert [segment[0] for segment in segments] == [0, 2, 3, 4]
+    for i, rows, tokens, positions in segments:
+        r0, n, p0 = int(first_row[i]), counts[i], int(first_position[i])
+        assert torch.equal(rows, torch.cat([a[r0: r0 + n] for a in aux], -1))
+        assert positions.tolist() == list(range(p0, p0 + n))
+        assert tokens.dtype == np.int64 and tokens.tolist() == token_ids[i, p0 + 1: p0 + n + 1].tolist()
+    kept = [segment[1].clone() for segment in segments]
+    for a in aux:
+        a.zero_()
+    token_ids[:] = 0
+    assert all(torch.equal(a, b[1]) for a, b in zip(kept, segments)) and segments[1][2].any()
+
+
 def test_ingest_keeps_the_rows_of_requests_that_do_not_draft_until_they_do(tmp_path):
     """A row that does not draft this step (a partial prefill, or one a probe does not ask: ``ctx.draft_rows``) keeps
     its rows for later, as a step that only observes does; the step where it drafts writes them with its own, so its
