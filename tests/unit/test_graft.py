@@ -770,6 +770,70 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
     assert drafter.ingested == before and p.stats.retrieval_only_steps == 3
 
 
+def test_a_head_that_retrieval_only_trees_beat_still_probes_its_worth():
+    """A step the retrieval-only trees win is a skipped step of the head's gate, so the gate's probes (after
+    ``probe_every`` skipped steps, then backing off) let the head draft now and then and keep what its trees are worth
+    current; a veto after the gate left it priced as its first steps had, so a head sitting out one request never
+    drafted again."""
+
+    class CountingDrafter(ScriptedDrafter):
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    drafter = CountingDrafter({0: [0.3, 0.3]})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
+                      vocab_size=VOCAB)
+    p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.95))
+    drafted = []
+    for _ in range(120):
+        p.head_cost.buckets = {0: 0.01}  # 10 ms a call (the scripted head's own time would make it free)
+        ctx = make_ctx([[1, 2, 3]])
+        ctx.step_cost = Linear(0.05, 0.004)
+        before = drafter.ingested
+        p.propose_trees(ctx)
+        drafted.append(drafter.ingested > before)
+        if len(drafted) == 3:
+            assert p.head_gate.last_rates[0] > p.head_gate.last_rates[1]  # the head alone would beat plain decoding
+    steps = [i for i, d in enumerate(drafted) if d]
+    # the first step, then probes, each wait doubling while drafting still does not pay (before: [0] alone)
+    assert steps[0] == 0 and 3 <= len(steps) <= 4, steps
+    gaps = np.diff(steps)
+    assert gaps[0] > p.head_gate.probe_every and all(b >= 2 * a - 1 for a, b in zip(gaps, gaps[1:])), steps
+
+
+def test_grafts_gates_price_trees_as_the_verifier_does():
+    """What graft's gates learn a tree is worth uses the verifier's price of each node, the calibrated rate under
+    its source's record (``AcceptanceCalibration.capped``), not the uncapped rate graft ranks by: a successor
+    continuation scoring 0.95 raw from a source whose last 40 root children were all rejected is worth ~0.02, not
+    the ~0.16 its raw number lifts the uncapped rate to."""
+
+    class CountingDrafter(ScriptedDrafter):
+        def ingest(self, ctx):
+            pass
+
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False),
+                      drafter=CountingDrafter({0: [0.3, 0.3]}), vocab_size=VOCAB)
+    p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.95))
+    source = p.acceptance_sources.index("successor")
+    p.calibration.observe(np.full(40, source), np.full(40, 0.4), np.zeros(40), np.ones(40, np.int64))
+    p.head_cost.buckets = {0: 10.0}  # the head cannot pay: graft drafts retrieval-only trees, and prices them
+    ctx = make_ctx([[1, 2, 3]])
+    ctx.step_cost = Linear(0.05, 0.004)
+    ctx.probing, ctx.probe_seconds = False, None
+    p.head_gate, p.retrieval_gate = None, None
+    p.propose_trees(ctx)  # creates the gates (no history: the head's gate probes, the head drafts and is priced)
+    p.head_cost.buckets = {0: 10.0}
+    p.propose_trees(ctx)
+    assert p.stats.retrieval_only_steps == 1
+    raw = np.array([0.95])
+    capped = p.calibration.capped(np.array([source]), raw, np.ones(1, np.int64))[0]
+    uncapped = p.calibration(np.array([source]), raw, np.ones(1, np.int64))[0]
+    assert capped < 0.05 < 0.1 < uncapped
+    assert p.retrieval_gate.marginal[0] == pytest.approx(capped, rel=0.25)
+
+
 def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
     """While the head drafts every step, its first step and every ``probe_every``-th after it also assemble the
     retrieval-only trees (never proposed), so that what they are worth is not a stale number from the start of the

@@ -409,11 +409,14 @@ class DraftGate:
         return float(rates[1:].max()) if k_all.size > 1 else 0.0, float(rates[0])
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
-                     row_excess: float | None = None, extra_seconds: float = 0.0) -> bool:
+                     row_excess: float | None = None, extra_seconds: float = 0.0,
+                     rival_rate: float | None = None) -> bool:
         """``row_excess``: the context term of one of the requests' rows, on average (None: at the curve's
         context). ``extra_seconds``: what drafting for these requests now costs beyond the drafter's measured call
         (a head's catch-up on the rows that steps without drafts left it): part of the price, and a probe pays it,
-        per probed request, out of its allowance."""
+        per probed request, out of its allowance. ``rival_rate``: the expected rate of what runs instead of this
+        drafter (graft's retrieval-only trees instead of its head), which it must beat as it must beat plain
+        decoding's; a step it loses to either is skipped, so its probes still refresh what its trees are worth."""
         self.probing = False
         self.probe_seconds = self.probe_requests = None
         self.last_rates = None
@@ -429,7 +432,7 @@ class DraftGate:
         after_probe, self._after_probe = self._after_probe, False
         cheap = measured is not None and plain > 0 and drafter <= self.free_share * num_reqs / plain
         saves = measured is not None and self.surplus > drafter
-        if best > plain or cheap or saves:
+        if best > max(plain, rival_rate or 0.0) or cheap or saves:
             self.skipped = 0
             self.interval = self.probe_every
             return True
