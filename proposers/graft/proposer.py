@@ -229,17 +229,14 @@ class GraftProposer(TreeProposer):
 
     def _priced(self, assembled: AssembledTree) -> DraftTree:
         """``assembled``'s tree with each node's probability as the verifier's budget prices it: the calibrated rate
-        under its ceiling (:meth:`AcceptanceCalibration.capped`; a node of unknown source keeps its raw number).
+        under its ceiling (:meth:`AcceptanceCalibration.priced`; a node of unknown source keeps its raw number).
         graft ranks nodes by the uncapped rates, which a raw retrieval score of 1.0 lifts far above a source's record:
         weighed at those, retrieval-only trees kept the head's gate from ever drafting again on requests where
         ``eagle_tree``'s head paid (expected 80-160 tok/s at batch 1, 35-52 measured)."""
         tree = assembled.tree
         if self.calibration is None or tree.num_nodes == 0:
             return tree
-        probs = np.asarray(assembled.raw_probs, np.float64).copy()
-        known = assembled.sources >= 0
-        if known.any():
-            probs[known] = self.calibration.capped(assembled.sources[known], probs[known], tree.depths()[known])
+        probs = self.calibration.priced(assembled.sources, assembled.raw_probs, tree.depths())
         return DraftTree(tree.token_ids, tree.parents, probs.astype(np.float32), tree.node_sources)
 
     def _model_drafts(self, ctx: ProposeContext, rows: list[int], budget: int) -> dict[int, DraftGrowth]:

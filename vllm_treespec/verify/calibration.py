@@ -145,6 +145,16 @@ class AcceptanceCalibration:
         with its prior, so the lower prior gives the lower of the two.)"""
         return self._rate(source, raw, depth, capped=True)
 
+    def priced(self, sources: np.ndarray, raw: np.ndarray, depths: np.ndarray) -> np.ndarray:
+        """Per node, the probability the budget prices it at: :meth:`capped` for nodes of a known source, the raw
+        number for nodes of source -1 (a new float64 array). Proposers rank by the uncapped rates; whatever weighs a
+        tree's worth against its cost (the verifier, graft's gates) prices it here."""
+        probs = np.asarray(raw, np.float64).copy()
+        known = sources >= 0
+        if known.any():
+            probs[known] = self.capped(sources[known], probs[known], depths[known])
+        return probs
+
     def _rate(self, source: int | np.ndarray, raw: np.ndarray, depth: np.ndarray | None, capped: bool
               ) -> np.ndarray:
         raw = np.asarray(raw, np.float64)
@@ -296,20 +306,11 @@ class AcceptanceTracker:
             if tree is None or tree.node_probs is None or tree.num_nodes == 0:
                 out.append(tree)
                 continue
-            probs = self._calibrated(self._sources_of(tree), tree.node_probs, tree.depths())
+            probs = self.calibration.priced(self._sources_of(tree), tree.node_probs, tree.depths())
             roots = tree.parents < 0
             probs[roots] = np.minimum(probs[roots] * factor, 1.0)
             out.append(DraftTree(tree.token_ids, tree.parents, probs.astype(np.float32), tree.node_sources))
         return out
-
-    def _calibrated(self, sources: np.ndarray, raw: np.ndarray, depths: np.ndarray) -> np.ndarray:
-        """Calibrated probabilities of nodes with these sources, raw numbers and depths (source -1: the raw number),
-        under the ceiling of :meth:`~AcceptanceCalibration.capped` (proposers rank by the uncapped rates)."""
-        probs = np.asarray(raw, np.float64).copy()
-        known = sources >= 0
-        if known.any():
-            probs[known] = self.calibration.capped(sources[known], probs[known], depths[known])
-        return probs
 
     def handed(self, req_ids: Sequence[str], raw_trees: Sequence[DraftTree | None],
                final_trees: Sequence[DraftTree | None]) -> None:
@@ -356,7 +357,7 @@ class AcceptanceTracker:
                 continue
             depth = tree.depths()
             # what the rates learned so far (uncorrected) expected of this tree, against what it yielded
-            expected += float(path_products(tree.parents, self._calibrated(handed.sources, handed.raw, depth)).sum())
+            expected += float(path_products(tree.parents, self.calibration.priced(handed.sources, handed.raw, depth)).sum())
             hits += float(hit.sum())
             known = reached_nodes(tree.parents, hit) & (handed.sources >= 0)
             sources.append(handed.sources[known])
