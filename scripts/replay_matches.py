@@ -9,8 +9,21 @@ reached it (a root child, or a child of an accepted node). Printed per source an
 and raw confidence (>= 0.9 or below), and the mean accepted path per position. This is the evidence for calibrating
 those sources by match length (``calibrate_by_match_length``).
 
+``--policies`` instead decodes every output under each drafting policy of :data:`POLICIES`, verifying whatever it
+proposes at every step (greedy: the target accepts the longest proposed path its output follows; fp32 outputs are
+what every exact method commits). Printed per policy: tokens per step, draft nodes verified per step, and the
+share of steps with a proposal. vLLM's ``ngram`` (k = 5, n-grams 4 down to 2, as the benchmarks run it) is vLLM's
+own matcher; graft's sources are built as graft builds them. What a policy yields here bounds what it yields in an
+engine, where a step budget verifies less than everything: how many tokens per step graft's retrieval can reach,
+against ``ngram``'s, at how many verified nodes. ``--cost RECORD`` (a step-cost record: an engine's cached curve in
+``<cache>/cost_models/``, or the ``.cost.json`` beside a budget trace) also prices each step's forward (one request,
+its proposal's nodes plus the root, at the curve's context) and prints tokens per second of forward time against
+``ngram``'s: host work is not counted, so this bounds what a policy can gain on that engine's curve.
+
     python scripts/replay_matches.py --prompts "sharegpt[2200:2240],humaneval[100:104]" --save /tmp/ref.jsonl
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl
+    python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies
+    python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies --cost ~/.cache/vllm_treespec/cost_models/X.json
 """
 
 from __future__ import annotations
@@ -86,6 +99,111 @@ def replay(records: list[dict]):
     return nodes, paths
 
 
+#: --policies: label -> (kind, source, size): vLLM's ngram chain of k = size; one source's best chain (the most
+#: probable child at each depth) of at most size nodes; one source's tree, or both sources' trees ("both"), cut to
+#: size nodes each by graft's retrievers; "hindsight" verifies only the nodes the target accepts of both trees (what
+#: no allocator can know before the step: the ceiling of any allocation of those trees)
+POLICIES = {
+    "vLLM ngram, k=5": ("ngram", None, 5),
+    "suffix chain, <=5": ("chain", "suffix", 5),
+    "suffix chain, <=16": ("chain", "suffix", 16),
+    "suffix tree, 32": ("tree", "suffix", 32),
+    "n-gram tree, 32": ("tree", "ngram", 32),
+    "suffix + n-gram trees, 32 each": ("tree", "both", 32),
+    # a ceiling, not a policy: both trees' accepted path and nothing else, as if every allocation knew the outcome
+    "hindsight: accepted path only": ("hindsight", "both", 32),
+}
+
+
+def vllm_ngram(context: np.ndarray, k: int) -> list[int]:
+    """What vLLM's ``ngram`` proposer drafts after ``context`` (its own matcher: the longest of the 4- to 2-grams
+    ending the context, at its earliest occurrence)."""
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
+
+    return _find_longest_matched_ngram_and_propose_tokens(np.asarray(context, np.int32), 2, 4, 1 << 30, k).tolist()
+
+
+def best_chain(tree, size: int) -> list[int]:
+    """``tree``'s most probable path, one child per depth, at most ``size`` tokens."""
+    parents, probs = tree.parents.tolist(), tree.probs.tolist()
+    path, node = [], -1
+    while len(path) < size:
+        children = [j for j in range(tree.num_nodes) if parents[j] == node]
+        if not children:
+            break
+        node = max(children, key=lambda j: probs[j])
+        path.append(int(tree.token_ids[node]))
+    return path
+
+
+def _prefix(proposal: list[int], future: list[int]) -> int:
+    n = 0
+    while n < len(proposal) and n < len(future) and proposal[n] == future[n]:
+        n += 1
+    return n
+
+
+def replay_policies(records: list[dict], step_seconds=None) -> dict[str, tuple[float, ...]]:
+    """Per policy of :data:`POLICIES`: (tokens per step, draft nodes per step, share of steps with a proposal) and,
+    with ``step_seconds`` (tokens in a one-request forward -> seconds), tokens per second of forward time."""
+    sources = RetrievalSources(GraftOptions(sources=("suffix", "ngram")), FALLBACK_VOCAB_SIZE)
+    totals = {label: [0, 0, 0, 0, 0.0] for label in POLICIES}  # tokens, steps, nodes, steps with a proposal, seconds
+    for key, record in enumerate(records):
+        prompt, output = record["prompt"], record["output"]
+        tokens = np.asarray(prompt + output, np.int32)
+        for label, (kind, source, size) in POLICIES.items():
+            i = 0
+            while i < len(output):
+                context, future = tokens[: len(prompt) + i], output[i:]
+                if kind == "ngram":
+                    proposal = vllm_ngram(context, size)
+                    accepted, nodes = _prefix(proposal, future), len(proposal)
+                else:
+                    found = sources.at_root(key, context, size, len(prompt))
+                    trees = [t for name, t in found.items() if source in (name, "both") and t.num_nodes]
+                    if kind == "chain":
+                        chains = [best_chain(t, size) for t in trees]
+                        accepted = max((_prefix(c, future) for c in chains), default=0)
+                        nodes = sum(len(c) for c in chains)
+                    else:
+                        accepted = max((int(walk(t, future)[0].sum()) for t in trees), default=0)
+                        nodes = accepted if kind == "hindsight" else sum(t.num_nodes for t in trees)
+                total = totals[label]
+                total[0] += accepted + 1
+                total[1] += 1
+                total[2] += nodes
+                total[3] += nodes > 0
+                total[4] += step_seconds(1 + nodes) if step_seconds is not None else 0.0
+                i += accepted + 1
+        sources.release({key})
+    return {label: (t[0] / t[1], t[2] / t[1], t[3] / t[1]) + ((t[0] / t[4],) if step_seconds is not None else ())
+            for label, t in totals.items()}
+
+
+def report_policies(results: dict[str, tuple[float, ...]]) -> str:
+    priced = all(len(r) == 4 for r in results.values())
+    baseline = results.get("vLLM ngram, k=5")
+    lines = ["policy                            tokens/step  nodes/step  steps drafting"
+             + ("  tok/s of forwards  vs ngram" if priced else "")]
+    for label, (tps, nodes, share, *rate) in results.items():
+        line = f"{label:33} {tps:11.3f} {nodes:11.2f} {share:15.0%}"
+        if priced:
+            line += f" {rate[0]:18.1f} {rate[0] / baseline[3]:8.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def step_seconds_of(record_path: str):
+    """tokens -> seconds of a one-request forward at the curve's context, from a step-cost record file."""
+    import msgspec
+
+    from vllm_treespec.cost.model import CostRecord
+
+    with open(record_path, "rb") as f:
+        model = msgspec.json.decode(f.read(), type=CostRecord).step_model()
+    return lambda tokens: model.predict(tokens, 1)
+
+
 def report(nodes, paths) -> str:
     lines = ["source  match  positions  path |  depth 1 raw>=.9  <.9 |  depth 2 raw>=.9  <.9 |  deeper raw>=.9  <.9"]
 
@@ -113,6 +231,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--outputs", default=None, help="read the outputs a --save wrote instead of generating")
     parser.add_argument("--save", default=None, help="write the generated outputs here (JSON lines)")
+    parser.add_argument("--policies", action="store_true",
+                        help="decode every output under each drafting policy, verifying all it proposes (POLICIES)")
+    parser.add_argument("--cost", default=None,
+                        help="with --policies: a step-cost record (JSON) to price each step's forward by")
     args = parser.parse_args()
     if args.outputs:
         with open(args.outputs) as f:
@@ -122,6 +244,10 @@ def main() -> None:
         if args.save:
             with open(args.save, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
+    if args.policies:
+        print(f"{len(records)} outputs, {sum(len(r['output']) for r in records)} tokens; every proposal verified")
+        print(report_policies(replay_policies(records, step_seconds_of(args.cost) if args.cost else None)))
+        return
     print(f"{len(records)} outputs; node acceptance (reached nodes) by source, match length, depth, raw confidence")
     print(report(*replay(records)))
 
