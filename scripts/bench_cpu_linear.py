@@ -9,6 +9,10 @@ weight (oneDNN where it can build the matmul, else torch's linear): the same cod
 our patch.
 
     .venv/bin/python scripts/bench_cpu_linear.py --rows 1 2 4 8 16 32 128 --repeats 3
+
+``--call-overhead`` instead times one call of each linear on a tiny cached weight (8 x 64, one row): what a call
+costs beside the multiply, per dtype, for the input a layer passes (2-D, contiguous) and for one with a leading
+dimension. A step calls ~90 linears of SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -33,6 +37,27 @@ def vllm_linear(weight: torch.Tensor):
     return layer.cpu_linear
 
 
+def call_overhead(dtype_names: list[str], calls: int = 20000) -> None:
+    """Microseconds per call of each linear on an 8 x 64 weight (in cache: the multiply is ~0.1 us), best of 3."""
+    from vllm_treespec.cpu_gemm import NumbaLinear
+
+    print("us per call on an 8 x 64 weight, one row: 2-D input (as layers pass it) / with a leading dimension")
+    for dtype_name in dtype_names:
+        dtype = getattr(torch, dtype_name)
+        weight = (torch.randn(8, 64) * 0.02).to(torch.bfloat16).to(dtype)
+        for name, fn in (("vllm", vllm_linear(weight)), ("numba", NumbaLinear(weight))):
+            cells = []
+            for x in (torch.randn(1, 64).to(dtype), torch.randn(1, 1, 64).to(dtype)):
+                best = float("inf")
+                for _ in range(4):  # the first round warms up
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn(x, weight, None)
+                    best = min(best, time.perf_counter() - start)
+                cells.append(f"{best / calls * 1e6:6.2f}")
+            print(f"{dtype_name} {name:>5}: " + " / ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
@@ -40,10 +65,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fp32-values", choices=["bf16", "fp32"], default="bf16",
                         help="what the fp32 weights hold: bf16 values (a bf16 checkpoint) or any fp32 value")
+    parser.add_argument("--call-overhead", action="store_true",
+                        help="time one call on a tiny weight (what a call costs beside the multiply) and stop")
     args = parser.parse_args()
     torch.set_num_threads(1)  # vLLM's CPU worker here
 
     from vllm_treespec.cpu_gemm import NumbaLinear
+
+    if args.call_overhead:
+        call_overhead(args.dtypes)
+        return
 
     generator = torch.Generator().manual_seed(0)
     print("rows  " + "  ".join(f"{n:>7d}" for n in args.rows) + "   (ms per pass over every linear layer)")

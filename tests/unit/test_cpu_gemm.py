@@ -53,6 +53,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     assert torch.equal(linear(x[2:11]), batch[2:11])
 
 
+def test_an_fp32_layers_direct_call_gives_the_bits_of_the_general_path():
+    """A 2-D contiguous fp32 input without bias goes straight to the kernel; every other call is reshaped and
+    copied first. Both must give the same bits (an engine mixes them: leading dimensions, strided views)."""
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(SHAPES[1], generator=generator) * 0.05).to(torch.float32)
+    linear = NumbaLinear(weight)
+    x = torch.randn(9, weight.shape[1], generator=generator)
+    direct = linear(x)
+    strided = x.t().contiguous().t()  # the same values, not contiguous: the general path
+    assert not strided.is_contiguous() and torch.equal(linear(strided), direct)
+    assert torch.equal(linear(x[None])[0], direct)  # a leading dimension: the general path
+    assert direct.dtype == torch.float32 and direct.shape == (9, weight.shape[0])
+    assert linear(x[:0]).shape == (0, weight.shape[0])
+    kept = direct.clone()
+    direct += 1.0  # the result is the caller's own tensor: changing it changes no later call
+    assert torch.equal(linear(x), kept)
+
+
 def test_an_fp32_weight_of_bf16_values_is_kept_as_bf16_and_multiplies_the_same():
     """A bf16 checkpoint run in fp32: the weight is stored as its bf16 bits (half the bytes) and the output is the
     fp32 weight's, bit for bit (the same fp32 products summed in the same order)."""
