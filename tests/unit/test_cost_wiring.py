@@ -189,6 +189,8 @@ def test_drafts_wait_for_measured_plain_steps(monkeypatch):
         budget.step_finished()
 
     assert budget.should_draft(8, step_reqs=8)  # nothing timed yet (as on an asynchronous GPU): no plain steps
+    step(17, 8, 9, 1.0)  # the engine's first verifying step (it compiles kernels): not folded into the model
+    assert not budget.cost.draft_correction.observed
     step(17, 8, 9, 0.1)  # a verifying step of 8 requests
     assert not budget.should_draft(8, step_reqs=8) and budget.stats["plain_samples"] == 1
     for n in range(budget_module.PLAIN_SAMPLES):
@@ -204,6 +206,27 @@ def test_drafts_wait_for_measured_plain_steps(monkeypatch):
     assert not budget.should_draft(8, step_reqs=8) and budget.stats["plain_samples"] == samples + 1  # too old
     step(8, 8, 0, 0.04)
     assert not budget.needs_plain_sample(8)
+
+
+def test_the_first_verifying_steps_compile_time_does_not_price_drafts_out_for_good(monkeypatch):
+    """The engine's first step that verifies drafts compiles the tree path's kernels on a fresh install (235 ms for
+    a 36 ms step). Folded into the model, it doubled every drafting step's price, which no later step corrected
+    (steps priced out were not drafted): the budget must price the next verifying steps from the curve."""
+    clock = Clock()
+    monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", clock)
+    tokens = np.arange(1, 40)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, 0.030 + 0.001 * tokens)), max_nodes=8)
+
+    def step(num_tokens, drafts, seconds):
+        budget.step_started(num_tokens, 1, drafts=drafts)
+        clock.now += seconds
+        budget.step_finished()
+
+    predicted = budget.cost.predict(4, 1, plain_tokens=1)
+    step(4, 3, 0.235)  # the first: a compile
+    assert budget.cost.predict(4, 1, plain_tokens=1) == pytest.approx(predicted)
+    step(4, 3, 2 * predicted)  # later verifying steps are folded in as before
+    assert budget.cost.predict(4, 1, plain_tokens=1) > predicted * 1.2
 
 
 def test_the_gate_skips_the_drafter_when_its_trees_do_not_pay():
