@@ -61,7 +61,7 @@ def test_policies_on_a_repeated_loop_decode_in_fewer_steps_than_plain_decoding()
     assert "vLLM ngram" in script.report_policies(results)
 
 
-def test_hindsight_verifies_only_what_is_accepted_and_prices_below_every_policy():
+def test_hindsight_verifies_only_what_is_accepted_and_is_the_fastest_policy():
     script = _script()
     loop = list(range(100, 112))
     # a forward costs 10 ms plus 1 ms a row: verifying fewer nodes for the same tokens is faster
