@@ -23,7 +23,8 @@ its proposal's nodes plus the root, at the curve's context) and prints tokens pe
     python scripts/replay_matches.py --prompts "sharegpt[2200:2240],humaneval[100:104]" --save /tmp/ref.jsonl
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies
-    python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies --cost ~/.cache/vllm_treespec/cost_models/X.json
+    python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies \
+        --cost ~/.cache/vllm_treespec/cost_models/X.json
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import numpy as np
 from vllm_treespec.api import DraftTree
 from vllm_treespec.cost.allocate import Allocation, DraftGate, allocate
 from vllm_treespec.cost.model import CostRecord, CurveModel, StepCostModel
-from vllm_treespec.cost.online import CallCost, RunningMedian
+from vllm_treespec.cost.online import WARMUP_SAMPLES, CallCost, RunningMedian
 from vllm_treespec.cost.trace import BudgetTrace
 
 logger = logging.getLogger("vllm.treespec")
@@ -100,8 +100,8 @@ class StepBudget:
         self.last: Allocation | None = None
         self._step: tuple[int, int, float] | None = None
         self._drafts = 0  # draft tokens in the step whose forward started last
-        #: whether a step that verified drafts has finished: the first is not folded into the model (step_finished)
-        self._verified_once = False
+        #: steps verifying drafts still to leave out of the model: the first compiles the tree path (step_finished)
+        self._verifying_warmup = WARMUP_SAMPLES
         #: (start, tokens, requests, forward seconds, draft tokens) of the last step
         self._previous: tuple[float, int, int, float | None, int] | None = None
         self._plain_seen: dict[int, tuple[int, int]] = {}  # plain-step bucket -> (steps observed, last step index)
@@ -252,13 +252,13 @@ class StepBudget:
         self._step = None
         if num_tokens > 0 and num_reqs > 0:
             seconds = time.perf_counter() - started
-            if self._drafts and not self._verified_once:
+            if self._drafts and self._verifying_warmup > 0:
                 # The engine's first step that verifies drafts compiles what tree steps run (numba kernels, from a
                 # cold cache after an install or upgrade: 235 ms for a 36 ms step). Folded in, it doubled the
                 # price of every drafting step for good (the steps it priced out were never verified again to
                 # correct it: graft verified 1 node a step for a whole batch-1 run); like a drafter's first call
                 # (CallCost) it is not counted.
-                self._verified_once = True
+                self._verifying_warmup -= 1
             else:
                 self.cost.observe(num_tokens, num_reqs, seconds, self._excess, drafts=self._drafts)
             self._previous = (started, num_tokens, num_reqs, seconds, self._drafts)

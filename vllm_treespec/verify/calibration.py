@@ -357,7 +357,8 @@ class AcceptanceTracker:
                 continue
             depth = tree.depths()
             # what the rates learned so far (uncorrected) expected of this tree, against what it yielded
-            expected += float(path_products(tree.parents, self.calibration.priced(handed.sources, handed.raw, depth)).sum())
+            priced = self.calibration.priced(handed.sources, handed.raw, depth)
+            expected += float(path_products(tree.parents, priced).sum())
             hits += float(hit.sum())
             known = reached_nodes(tree.parents, hit) & (handed.sources >= 0)
             sources.append(handed.sources[known])
