@@ -28,6 +28,7 @@ from typing import NamedTuple
 import msgspec
 
 from vllm_treespec.cost import trace
+from vllm_treespec.cost.online import WARMUP_SAMPLES
 from vllm_treespec.cost.model import CACHE_SUBDIR, CostRecord, StepCostModel, context_excess
 from vllm_treespec.settings import default_cache_dir
 
@@ -89,11 +90,16 @@ def timed(steps: list[Step]) -> list[Step]:
 
 
 def replay(model: StepCostModel, steps: list[Step]) -> list[tuple[float, float | None, float, bool]]:
-    """(replayed ms, traced ms, measured ms, verifying) per timed step."""
+    """(replayed ms, traced ms, measured ms, verifying) per timed step. As in the engine (``StepBudget``), the first
+    steps that verify drafts (``WARMUP_SAMPLES``: their kernels compile) are predicted but not learnt from."""
     out = []
+    warmup = WARMUP_SAMPLES
     for step in timed(steps):
         measured = step.line["forward_ms"]
         out.append((predicted_ms(model, step), step.line.get("predicted_ms"), measured, step.drafts > 0))
+        if step.drafts > 0 and warmup > 0:
+            warmup -= 1
+            continue
         model.observe(step.tokens, step.reqs, measured / 1e3, excess_of(model, step), drafts=step.drafts)
     return out
 

@@ -79,6 +79,30 @@ def test_expectation_correction_scales_every_path_probability():
     assert tracker.calibrate([TREE])[0].node_probs[0] == 1.0  # and a probability stays one
 
 
+def test_each_request_is_priced_by_its_own_record_shrunk_to_the_batchs():
+    """Two requests handed the same trees: the target keeps every draft of one (a span copied from its prompt) and
+    none of the other's (prose). The batch's correction averages them and misprices both; each request's own
+    correction follows what its drafts yield, a new request starts at the batch's, and a finished one is forgotten."""
+    tracker = AcceptanceTracker(["suffix", "successor"])
+    chain = DraftTree(np.array([10, 12]), np.array([-1, 0], np.int32), np.array([0.5, 0.5], np.float32),
+                      np.zeros(2, np.int32))
+    for _ in range(30):
+        tracker.handed(["copy", "prose"], [chain, chain], [chain, chain])
+        tracker.scheduled({"copy": [10, 12], "prose": [10, 12]})
+        tracker.committed(["copy", "prose"], [[10, 12, 7], [5]])
+    batch = tracker.expectation.factor
+    copy, prose, new = (tracker.by_request.factor(req_id, batch) for req_id in ("copy", "prose", "new"))
+    assert copy > 1.5 * batch and prose < 0.5 * batch
+    assert new == batch
+    rate = tracker.calibrate([chain], corrected=False, req_ids=["prose"])[0].node_probs[0]  # a probe's: uncorrected
+    priced = [t.node_probs[0] for t in tracker.calibrate([chain] * 3, req_ids=["copy", "prose", "new"])]
+    assert priced == pytest.approx([min(rate * copy, 1.0), rate * prose, rate * batch], rel=1e-6)
+    # without request ids every tree is priced by the batch's correction
+    assert [t.node_probs[0] for t in tracker.calibrate([chain] * 2)] == pytest.approx([rate * batch] * 2, rel=1e-6)
+    tracker.forget({"prose"})
+    assert tracker.by_request.factor("prose", batch) == batch
+
+
 def test_tracker_measures_expected_against_accepted():
     tracker = AcceptanceTracker(["suffix", "successor"])
     tracker.handed(["a"], [TREE], [TREE])
