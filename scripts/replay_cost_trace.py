@@ -28,8 +28,8 @@ from typing import NamedTuple
 import msgspec
 
 from vllm_treespec.cost import trace
-from vllm_treespec.cost.online import WARMUP_SAMPLES
 from vllm_treespec.cost.model import CACHE_SUBDIR, CostRecord, StepCostModel, context_excess
+from vllm_treespec.cost.online import WARMUP_SAMPLES
 from vllm_treespec.settings import default_cache_dir
 
 #: a prefill step has more tokens than this or more than its drafts plus one
