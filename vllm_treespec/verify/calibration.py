@@ -246,8 +246,12 @@ class ExpectationCorrection:
 
     @property
     def factor(self) -> float:
+        return self.shrunk_to(1.0)
+
+    def shrunk_to(self, prior_factor: float) -> float:
+        """Accepted over expected with ``prior`` pseudo-tokens at ``prior_factor``, within the correction's range."""
         low, high = EXPECTATION_LIMITS
-        return float(np.clip((self.accepted + self.prior) / (self.expected + self.prior), low, high))
+        return float(np.clip((self.accepted + self.prior * prior_factor) / (self.expected + self.prior), low, high))
 
 
 class RequestCorrection:
@@ -259,20 +263,23 @@ class RequestCorrection:
     def __init__(self, decay: float = REQUEST_DECAY, prior: float = REQUEST_PRIOR) -> None:
         self.decay = decay
         self.prior = prior
-        self._sums: dict[str, tuple[float, float]] = {}
+        self._requests: dict[str, ExpectationCorrection] = {}
 
     def observe(self, req_id: str, expected: float, accepted: float) -> None:
-        expected_sum, accepted_sum = self._sums.get(req_id, (0.0, 0.0))
-        self._sums[req_id] = (self.decay * expected_sum + float(expected), self.decay * accepted_sum + float(accepted))
+        correction = self._requests.get(req_id)
+        if correction is None:
+            correction = self._requests[req_id] = ExpectationCorrection(self.decay, self.prior)
+        correction.observe(expected, accepted)
 
     def factor(self, req_id: str, batch_factor: float) -> float:
-        expected_sum, accepted_sum = self._sums.get(req_id, (0.0, 0.0))
-        low, high = EXPECTATION_LIMITS
-        return float(np.clip((accepted_sum + self.prior * batch_factor) / (expected_sum + self.prior), low, high))
+        correction = self._requests.get(req_id)
+        if correction is None:  # no verified drafts yet: the batch's
+            return float(np.clip(batch_factor, *EXPECTATION_LIMITS))
+        return correction.shrunk_to(batch_factor)
 
     def forget(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
-            self._sums.pop(req_id, None)
+            self._requests.pop(req_id, None)
 
 
 def reached_nodes(parents: np.ndarray, accepted: np.ndarray) -> np.ndarray:
@@ -396,10 +403,10 @@ class AcceptanceTracker:
             depth = tree.depths()
             # what the rates learned so far (uncorrected) expected of this tree, against what it yielded
             priced = self.calibration.priced(handed.sources, handed.raw, depth)
-            tree_expected = float(path_products(tree.parents, priced).sum())
-            self.by_request.observe(req_id, tree_expected, float(hit.sum()))
+            tree_expected, tree_hits = float(path_products(tree.parents, priced).sum()), float(hit.sum())
+            self.by_request.observe(req_id, tree_expected, tree_hits)
             expected += tree_expected
-            hits += float(hit.sum())
+            hits += tree_hits
             known = reached_nodes(tree.parents, hit) & (handed.sources >= 0)
             sources.append(handed.sources[known])
             raws.append(handed.raw[known])

@@ -162,8 +162,8 @@ class TreeVerifier:
             # so once it has stopped the drafting, probes priced by it verify a node or two and it never recovers
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
-            trees = self.budget.admit(self.acceptance.calibrate(proposed, corrected=not probing, req_ids=req_ids), num_reqs,
-                                      drafted=bool(drafting), row_excess=row_excess)
+            calibrated = self.acceptance.calibrate(proposed, corrected=not probing, req_ids=req_ids)
+            trees = self.budget.admit(calibrated, num_reqs, drafted=bool(drafting), row_excess=row_excess)
             if drafting:
                 self._admitted_depths.append(max((int(t.depths().max()) for t in trees
                                                   if t is not None and t.num_nodes), default=0))
