@@ -449,3 +449,77 @@ def test_bench_serve_refuses_prompts_that_leave_no_room_for_max_tokens(tmp_path,
     err = capsys.readouterr().err
     assert "do not fit --max-model-len 64 with 32 output tokens: a 1 (42 tokens)" in err
     assert "raise --max-model-len" in err and not started and not (tmp_path / "out").exists()
+
+
+def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_path, monkeypatch):
+    """``--interleave``: each round starts every method's server before any level runs, then runs each level on
+    every server in turn, the order reversed at every level and every round; a server that fails to start is
+    reported failed and the others still run; every server is stopped at the round's end, before the next round's
+    start; with ``--repeats`` the rounds are paired as without it."""
+    from vllm_treespec.tools import bench_serve
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(8)))
+    events = []
+
+    class FakeServer:
+        def __init__(self, model, spec, args, log_path, env):
+            self.label = log_path.stem.removeprefix("server-")
+            self.port = 8000 + len(events)
+            self.url = f"http://127.0.0.1:{self.label}"
+            self.process = SimpleNamespace(pid=1)
+            self.running = False
+
+        def start(self):
+            if self.label == "broken":
+                raise bench_serve.ServerStartError("broken does not start", None, "")
+            events.append(("start", self.label))
+            self.running = True
+            return self
+
+        def alive(self):
+            return self.running
+
+        def rss_bytes(self):
+            return 1 << 30
+
+        def stop(self):
+            if self.running:
+                events.append(("stop", self.label))
+            self.running = False
+
+    async def fake_level(url, prompts, concurrency, max_tokens, temperature):
+        label = url.rsplit(":", 1)[1]
+        if concurrency > 0 and prompts[0] != bench_serve.WARMUP_PROMPT:
+            events.append((concurrency, label, tuple(prompts)))
+        reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
+                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
+        return [reply] * len(prompts), 2.0 if label == "none" else 1.0
+
+    monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serve, "run_level", fake_level)
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
+    monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
+    out = tmp_path / "out"
+    code = bench_serve.main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2",
+                             "--requests-per-level", "2", "--methods", "graft;broken=graft", "--interleave",
+                             "--repeats", "2", "--cpu-affinity", "os", "--out", str(out)])
+    assert code == 1  # the broken method failed
+    first, second = ["q0", "q1"], ["q2", "q3"]
+    assert events == [
+        ("start", "none"), ("start", "graft"),
+        (1, "none", tuple(first)), (1, "graft", tuple(first)),
+        (2, "graft", tuple(second)), (2, "none", tuple(second)),
+        ("stop", "none"), ("stop", "graft"),
+        ("start", "graft"), ("start", "none"),  # round 2: the round's order reversed
+        (1, "graft", tuple(first)), (1, "none", tuple(first)),
+        (2, "none", tuple(second)), (2, "graft", tuple(second)),
+        ("stop", "graft"), ("stop", "none")]
+    report = json.loads((out / "results.json").read_text())
+    by = {m["label"]: m for m in report["methods"]}
+    assert by["broken"]["status"] == "failed" and "does not start" in by["broken"]["reason"]
+    assert by["graft"]["status"] == by["none"]["status"] == "ok" and by["graft"]["rounds"] == 2
+    for level in ("1", "2"):
+        assert by["graft"]["levels"][level]["rounds_vs_none"] == [2.0, 2.0]
+        assert by["graft"]["levels"][level]["vs_none_paired"] == 2.0
+    assert by["graft"]["rss"]["max_mib"] == 1024

@@ -13,7 +13,11 @@ reverse order every other round (a fresh server each time, the same prompts), an
 round with the median output tok/s, every round's figure, the ratio to no speculation's median, and the median of
 the per-round ratios (each round against no speculation's same round, run next to it: the drift between rounds
 cancels, and the alternating order charges neither the drift within a round nor what a server leaves behind to one
-method). Each server's worker also writes the time of every plain decode forward
+method). With ``--interleave`` a round starts every method's server at once and runs them level by level in turn
+(the order reversed at every level): the servers still start fresh each round, but a method's level and no
+speculation's same level run a minute or two apart instead of a whole sweep apart.
+
+Each server's worker also writes the time of every plain decode forward
 (:mod:`vllm_treespec.patches.forward_times`, ``VLLM_TREESPEC_FORWARD_TIMES_FILE``), and each level reports its
 server's median plain forward at the level's usual request count and, with rounds, the paired ratio at equal engine
 speed: each round's ratio times the method's median plain forward over no speculation's in that round (servers of one
@@ -91,59 +95,130 @@ def level_stats(replies: list[Reply], wall_s: float) -> dict[str, Any]:
     }
 
 
+class MethodRound:
+    """One method's server for one round: :meth:`start`, then :meth:`run_level` per concurrency level, then
+    :meth:`finish`, which stops it and returns its results.json entry (with the level windows' budget trace and plain
+    forwards). A server that fails to start is recorded as failed and its levels are skipped."""
+
+    def __init__(self, spec: MethodSpec, args: argparse.Namespace, out_dir: Path, round_index: int = 0) -> None:
+        self.spec = spec
+        self.args = args
+        self.entry: dict[str, Any] = {"label": spec.label, "method": spec.method,
+                                      "speculative_config": spec.speculative_config(), "levels": {}}
+        self.log_path = out_dir / f"server-{spec.label}.log"
+        self.trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
+        trace.clear(self.trace_path)
+        self.forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
+        trace.clear(self.forwards_path)  # workers append to <path>.<pid>, as the budget trace's
+        env = {TRACE_ENV: str(self.trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(self.forwards_path)}
+        if spec.label in args.plain:
+            env[NEVER_DRAFT_ENV] = "1"
+        self.server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=self.log_path,
+                                    env=env)
+        self.windows: dict[str, tuple[float, float]] = {}
+        self.entry["port"] = self.server.port
+        self.rss: RssSampler | None = None
+        self.up = False
+
+    def start(self) -> bool:
+        """Start the server (unpinned: vLLM places its worker itself); False, with the entry failed, if it did not."""
+        started = time.perf_counter()
+        try:
+            self.server.start()
+        except ServerStartError as e:
+            self.entry.update(status="failed", reason=str(e).splitlines()[0], log=str(self.log_path))
+            self.server.stop()
+            return False
+        self.entry["server_pid"] = self.server.process.pid
+        self.entry["startup_s"] = time.perf_counter() - started
+        self.up = True
+        return True
+
+    def placement(self) -> contextlib.AbstractContextManager[set[int] | None]:
+        """The API server, the engine core and this load generator on the CPUs vLLM reserved for them, off the
+        worker's: what a deployment on a dedicated machine does (taskset), and steadier figures."""
+        if self.args.cpu_affinity != "reserved":
+            return contextlib.nullcontext()
+        return off_the_workers_cpus(self.server.process.pid)
+
+    def warm_up(self, pinned: set[int] | None) -> None:
+        if pinned is not None:
+            self.entry["pinned_cpus"] = sorted(pinned)
+        asyncio.run(run_level(self.server.url, [WARMUP_PROMPT], 1, 16, 0.0))  # not reported
+        self.rss = RssSampler(self.server).__enter__()
+
+    def run_level(self, concurrency: int, batch: list[str]) -> None:
+        opened = time.time()
+        replies, wall = asyncio.run(run_level(self.server.url, batch, concurrency, self.args.max_tokens,
+                                              self.args.temperature))
+        self.windows[str(concurrency)] = (opened, time.time())
+        self.entry["levels"][str(concurrency)] = level_stats(replies, wall)
+
+    def finish(self) -> dict[str, Any]:
+        if self.up:
+            if self.rss is not None:
+                self.rss.__exit__(None, None, None)
+                self.entry["rss"] = self.rss.summary()
+            self.entry["status"] = "ok" if self.server.alive() else "crashed"
+            self.server.stop()
+            self.up = False
+        add_budget_trace(self.entry, trace.files(self.trace_path), self.windows)
+        add_forward_times(self.entry, forward_times.read_trace(trace.files(self.forwards_path)), self.windows)
+        return self.entry
+
+
+def level_batches(prompts: list[str], args: argparse.Namespace) -> list[tuple[int, list[str]]]:
+    """(concurrency, its prompts) per level: fresh prompts at every level, so that a method that remembers finished
+    outputs (suffix_tree's global store) is not scored on answers it has already produced (main() checked there are
+    enough: no prompt is sent twice)."""
+    batches, sent = [], 0
+    for concurrency in args.concurrency:
+        n = max(args.requests_per_level, concurrency)
+        batches.append((concurrency, prompts[sent: sent + n]))
+        sent += n
+    return batches
+
+
 def run_method(spec: MethodSpec, prompts: list[str], args: argparse.Namespace, out_dir: Path,
                round_index: int = 0) -> dict[str, Any]:
+    """One method's round on its own: its server up, every level, its server down."""
     from tqdm import tqdm
 
-    entry: dict[str, Any] = {"label": spec.label, "method": spec.method,
-                             "speculative_config": spec.speculative_config(), "levels": {}}
-    log_path = out_dir / f"server-{spec.label}.log"
-    trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
-    trace.clear(trace_path)
-    forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
-    trace.clear(forwards_path)  # workers append to <path>.<pid>, as the budget trace's
-    env = {TRACE_ENV: str(trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(forwards_path)}
-    if spec.label in args.plain:
-        env[NEVER_DRAFT_ENV] = "1"
-    server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=log_path, env=env)
-    windows: dict[str, tuple[float, float]] = {}
-    entry["port"] = server.port
-    started = time.perf_counter()
+    run = MethodRound(spec, args, out_dir, round_index)
     try:
-        server.start()
-        entry["server_pid"] = server.process.pid
-        entry["startup_s"] = time.perf_counter() - started
-        # the API server, the engine core and this load generator on the CPUs vLLM reserved for them, off the
-        # worker's: what a deployment on a dedicated machine does (taskset), and steadier figures
-        placement = off_the_workers_cpus(server.process.pid) if args.cpu_affinity == "reserved" \
-            else contextlib.nullcontext()
-        with placement as pinned:
-            if pinned is not None:
-                entry["pinned_cpus"] = sorted(pinned)
-            asyncio.run(run_level(server.url, [WARMUP_PROMPT], 1, 16, 0.0))  # warm-up, not reported
-            sent = 0
-            with RssSampler(server) as rss, tqdm(args.concurrency, desc=f"{spec.label:>12}", unit="level",
-                                                 file=sys.stderr) as levels:
-                for concurrency in levels:
-                    # fresh prompts at every level: a method that remembers finished outputs (suffix_tree's global
-                    # store) must not be scored on answers it has already produced
-                    n = max(args.requests_per_level, concurrency)
-                    batch = prompts[sent: sent + n]  # main() checked there are enough: no prompt is sent twice
-                    sent += n
-                    opened = time.time()
-                    replies, wall = asyncio.run(run_level(server.url, batch, concurrency, args.max_tokens,
-                                                          args.temperature))
-                    windows[str(concurrency)] = (opened, time.time())
-                    entry["levels"][str(concurrency)] = level_stats(replies, wall)
-            entry["rss"] = rss.summary()
-            entry["status"] = "ok" if server.alive() else "crashed"
-    except ServerStartError as e:
-        entry.update(status="failed", reason=str(e).splitlines()[0], log=str(log_path))
+        if run.start():
+            with run.placement() as pinned:
+                run.warm_up(pinned)
+                for concurrency, batch in tqdm(level_batches(prompts, args), desc=f"{spec.label:>12}",
+                                               unit="level", file=sys.stderr):
+                    run.run_level(concurrency, batch)
     finally:
-        server.stop()
-    add_budget_trace(entry, trace.files(trace_path), windows)
-    add_forward_times(entry, forward_times.read_trace(trace.files(forwards_path)), windows)
+        entry = run.finish()
     return entry
+
+
+def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.Namespace, out_dir: Path,
+                    round_index: int = 0) -> dict[str, dict[str, Any]]:
+    """One round of every method with their servers up together, taking turns level by level (the order reversed at
+    every level, and ``specs`` already in the round's order): a method's level runs a minute or two from no
+    speculation's same level, not a whole sweep, so the machine's drift over minutes mostly cancels in the paired
+    ratios. Only one server works at a time (the others wait idle); it needs the memory of every server at once."""
+    from tqdm import tqdm
+
+    runs = [MethodRound(spec, args, out_dir, round_index) for spec in specs]
+    try:
+        live = [run for run in runs if run.start()]
+        with contextlib.ExitStack() as placements:
+            for run in live:
+                run.warm_up(placements.enter_context(run.placement()))
+            for level, (concurrency, batch) in enumerate(tqdm(level_batches(prompts, args), desc="levels",
+                                                              unit="level", file=sys.stderr)):
+                for run in round_order(live, level):
+                    if run.server.alive():
+                        run.run_level(concurrency, batch)
+    finally:
+        entries = {run.spec.label: run.finish() for run in runs}
+    return entries
 
 
 def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, float]],
@@ -291,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true", help="skip torch.compile in the server")
     parser.add_argument("--repeats", type=int, default=1, help="rounds, every method once per round (fresh "
                         "servers), in reverse order every other round; per level the median round is reported")
+    parser.add_argument("--interleave", action="store_true",
+                        help="each round starts every method's server at once and runs them level by level in turn "
+                        "(the order reversed at every level), so a method's level is paired with no speculation's "
+                        "same level a minute or two apart instead of a sweep apart; only one server works at a time, "
+                        "but all must fit in memory together")
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
@@ -352,9 +432,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     skipped = {spec.label: unavailable_reason(spec) for spec in specs}
     rounds: dict[str, list[dict[str, Any]]] = {spec.label: [] for spec in specs}
     for r in range(args.repeats):
-        for spec in round_order(specs, r):
-            if skipped[spec.label]:
-                continue
+        order = [spec for spec in round_order(specs, r) if not skipped[spec.label]]
+        if args.interleave:
+            if args.repeats > 1:
+                print(f"round {r + 1}/{args.repeats}: {', '.join(spec.label for spec in order)} together",
+                      file=sys.stderr)
+            for label, entry in run_interleaved(order, prompts, args, out_dir, r).items():
+                rounds[label].append(entry)
+            continue
+        for spec in order:
             if args.repeats > 1:
                 print(f"round {r + 1}/{args.repeats}: {spec.label}", file=sys.stderr)
             rounds[spec.label].append(run_method(spec, prompts, args, out_dir, r))
