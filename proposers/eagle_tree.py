@@ -135,7 +135,8 @@ class EagleTreeProposer(TreeProposer):
         want = [i for i in ready if ctx.needs_draft(i)]
         trees: list[DraftTree | None] = [None] * ctx.num_reqs
         if want and ctx.max_nodes > 0:
-            for i, tree in self.drafter.draft(ctx, want, ctx.max_nodes, min_confidence=self.min_node_confidence,
+            for i, tree in self.drafter.draft(ctx, want, ctx.useful_max_nodes,
+                                              min_confidence=self.min_node_confidence,
                                               max_depth=ctx.useful_depth).items():
                 trees[i] = tree
         return trees

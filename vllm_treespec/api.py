@@ -210,6 +210,10 @@ class ProposeContext:
     useful_depth: the deepest level of a tree the step budget admitted in its recent allocations, plus one (None: no
         allocation yet, no budget, or a probe, which drafts in full): the levels below it are seldom verified, so a
         drafter that pays per level (an EAGLE head) stops there. Each allocation that admits a deeper node raises it.
+    useful_nodes: twice the most nodes the step budget admitted into one request's tree in its recent allocations,
+        plus one (None as for ``useful_depth``): a drafter whose cost grows with its tree's width (an EAGLE head
+        expands up to ``min(top_k, budget)`` nodes a request at each level) grows no more than that
+        (:attr:`useful_max_nodes`). An allocation that admits more raises it; a probe drafts in full.
     deferred_seconds: set by a proposer whose drafter caught up on this call with work the steps that did not draft
         left it (an EAGLE head writing their rows' K/V): seconds neither gate charges to this call's measured cost,
         since drafting for those requests at any later step would pay them too; the gates price them before the call
@@ -236,10 +240,16 @@ class ProposeContext:
     self_gated_seconds: float = 0.0
     deferred_seconds: float = 0.0
     useful_depth: int | None = None
+    useful_nodes: int | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def useful_max_nodes(self) -> int:
+        """``max_nodes`` capped by ``useful_nodes``: the size of tree worth growing where each node costs."""
+        return self.max_nodes if self.useful_nodes is None else min(self.max_nodes, self.useful_nodes)
 
     def committed(self, i: int) -> np.ndarray:
         return self.token_ids[i, : int(self.num_tokens[i])]

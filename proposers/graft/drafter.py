@@ -96,8 +96,8 @@ class EagleModelDrafter(ModelDrafter):
         return self.drafter.backlog_seconds(req_ids)
 
     def draft(self, ctx: ProposeContext, rows: Sequence[int]) -> dict[int, DraftTree]:
-        return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.max_nodes, self.stop_below,
-                                  max_depth=ctx.useful_depth)
+        return self.drafter.draft(ctx, [r for r in rows if r in self._ready], ctx.useful_max_nodes,
+                                  self.stop_below, max_depth=ctx.useful_depth)
 
 
 def check_head_path(checkpoint: str, vllm_config: Any) -> None:

@@ -70,20 +70,26 @@ def test_the_gate_learns_an_allocations_saving_from_what_the_target_accepted():
     assert gate.surplus < 0
 
 
-def test_the_proposer_is_told_how_deep_the_budget_admits():
+def test_the_proposer_is_told_how_deep_and_how_large_the_budget_admits():
     """``ctx.useful_depth`` is the deepest node of the recent allocations plus one: a drafter that pays per level
-    stops there. Unknown before the first allocation."""
+    stops there; ``ctx.useful_nodes`` twice the largest admitted tree plus one: a drafter that pays per node (an
+    EAGLE head's frontier) grows no larger (``useful_max_nodes``, never above ``max_nodes``). Both unknown before the
+    first allocation."""
     verifier = verifier_with(lambda t: 0.05 + 0.02 * (t - 1), {"a": SCORED})  # admits 0.9 and its child 0.72
     proposer = verifier.proposer
     verifier.propose([[9], [3], [6]])
-    assert proposer.contexts[0].useful_depth is None
-    assert verifier._admitted_depths[-1] == 2
+    first = proposer.contexts[0]
+    assert first.useful_depth is None and first.useful_nodes is None and first.useful_max_nodes == 8
+    assert verifier._admitted_depths[-1] == 2 and verifier._admitted_nodes[-1] == 2
     scheduler_output, num_scheduled = schedule(verifier.runner, {"a": [10, 12]})
     verifier.attach(scheduler_output, num_scheduled)
     plan.publish(None)
     verifier.propose([[10, 12, 7], [3], [6]])
     asked = (proposer.contexts + proposer.observed)[-1]
     assert asked.useful_depth == 3
+    assert asked.useful_nodes == 5 and asked.useful_max_nodes == 5
+    asked.useful_nodes = 17
+    assert asked.useful_max_nodes == 8  # the cap stays the request's
 
 
 def test_the_gate_prices_the_proposers_catch_up_with_its_call():

@@ -509,3 +509,35 @@ def test_a_request_the_head_does_not_draft_for_costs_no_writes(tmp_path, monkeyp
     assert capped.states["b"].length == 18 and capped._deferred_rows == 8
 
 
+
+
+def test_the_heads_grow_no_larger_than_the_budget_admits():
+    """eagle_tree and graft's model drafter ask the head for ``ctx.useful_max_nodes`` nodes a tree (its frontier
+    at each level is at most that wide), not ``max_nodes``: under load the budget admits a node or two a request,
+    and a head growing 8-wide levels for every request cost more than those nodes saved."""
+    from vllm_treespec.proposers.eagle_tree import EagleTreeProposer
+    from vllm_treespec.proposers.graft.drafter import EagleModelDrafter
+
+    asked = []
+
+    class Head:  # EagleDrafter's calls, recording the budget
+        catch_up_seconds = 0.0
+
+        def ingest(self, ctx):
+            return [0]
+
+        def draft(self, ctx, rows, budget, stop_below=None, min_confidence=0.0, max_depth=None):
+            asked.append(budget)
+            return {}
+
+    ctx = ProposeContext(req_ids=["a"], sampled_token_ids=[[1]], num_tokens=np.array([3]),
+                         token_ids=np.zeros((1, 8), np.int64), max_nodes=32, useful_nodes=5)
+    graft_head = EagleModelDrafter.__new__(EagleModelDrafter)
+    graft_head.drafter, graft_head._ready = Head(), {0}
+    graft_head.draft(ctx, [0])
+    eagle = EagleTreeProposer.__new__(EagleTreeProposer)
+    eagle.drafter, eagle.min_node_confidence = Head(), 0.0
+    eagle.propose_trees(ctx)
+    ctx.useful_nodes = None  # no allocation yet, or a probe: the whole cap
+    graft_head.draft(ctx, [0])
+    assert asked == [5, 5, 32]

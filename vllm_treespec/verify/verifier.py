@@ -32,7 +32,8 @@ from vllm_treespec.verify.topk import target_topk
 
 logger = logging.getLogger("vllm.treespec")
 
-#: recent allocations whose deepest admitted node sets ``ProposeContext.useful_depth``
+#: recent allocations whose deepest admitted node sets ``ProposeContext.useful_depth``, and whose largest admitted
+#: tree ``ProposeContext.useful_nodes``
 ADMITTED_DEPTH_WINDOW = 16
 
 # The vLLM objects tree verification relies on, attribute by attribute: everything the modules of CONTRACT_MODULES
@@ -81,6 +82,8 @@ class TreeVerifier:
         self._probe_cursor = 0  # where the next probe that drafts for some requests takes its first
         #: the deepest admitted node of each of the last allocations of drafted trees (0: none admitted)
         self._admitted_depths: collections.deque[int] = collections.deque(maxlen=ADMITTED_DEPTH_WINDOW)
+        #: the most nodes one request's tree was admitted in each of those allocations
+        self._admitted_nodes: collections.deque[int] = collections.deque(maxlen=ADMITTED_DEPTH_WINDOW)
         self.never_draft = os.environ.get(NEVER_DRAFT_ENV) == "1"
         if self.never_draft:
             logger.warning("vllm_treespec: %s=1: this engine never drafts (its proposer only observes each step)",
@@ -148,6 +151,9 @@ class TreeVerifier:
         ctx.row_excess = row_excess
         if self.budget is not None and self._admitted_depths:
             ctx.useful_depth = max(self._admitted_depths) + 1
+            # twice what one tree was admitted, plus one: a tree that pays more than lately is offered in full within
+            # a few steps, and a probe drafts in full
+            ctx.useful_nodes = 2 * max(self._admitted_nodes) + 1
         started = time.perf_counter()
         drafted, drafting = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
@@ -165,8 +171,9 @@ class TreeVerifier:
             calibrated = self.acceptance.calibrate(proposed, corrected=not probing, req_ids=req_ids)
             trees = self.budget.admit(calibrated, num_reqs, drafted=bool(drafting), row_excess=row_excess)
             if drafting:
-                self._admitted_depths.append(max((int(t.depths().max()) for t in trees
-                                                  if t is not None and t.num_nodes), default=0))
+                admitted = [t for t in trees if t is not None and t.num_nodes]
+                self._admitted_depths.append(max((int(t.depths().max()) for t in admitted), default=0))
+                self._admitted_nodes.append(max((t.num_nodes for t in admitted), default=0))
             if self.budget.trace is not None:
                 self.budget.trace.plan(factor=ctx.expectation_factor)
         if tracking:
@@ -201,7 +208,7 @@ class TreeVerifier:
             return [None] * ctx.num_reqs, 0
         ctx.probing = budget is not None and budget.gate.probing
         if ctx.probing:
-            ctx.useful_depth = None  # a probe measures what the full trees are worth
+            ctx.useful_depth = ctx.useful_nodes = None  # a probe measures what the full trees are worth
             ctx.probe_seconds = budget.gate.probe_seconds
         if ctx.probing and budget.gate.probe_requests is not None and budget.gate.probe_requests < drafting:
             ctx.draft_rows = self._probe_rows(rows, budget.gate.probe_requests, ctx.num_reqs)
