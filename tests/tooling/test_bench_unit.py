@@ -454,13 +454,14 @@ def test_bench_serve_refuses_prompts_that_leave_no_room_for_max_tokens(tmp_path,
 def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_path, monkeypatch):
     """``--interleave``: each round starts every method's server before any level runs, then runs each level on
     every server in turn, the order reversed at every level and every round; a server that fails to start is
-    reported failed and the others still run; every server is stopped at the round's end, before the next round's
-    start; with ``--repeats`` the rounds are paired as without it."""
+    reported failed and the others still run; one that crashes is stopped at its next turn (a worker outliving its
+    API server would slow the others) and its method reported failed; every server is stopped at the round's end,
+    before the next round's start; with ``--repeats`` the rounds are paired as without it."""
     from vllm_treespec.tools import bench_serve
 
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(8)))
-    events = []
+    events, servers = [], {}
 
     class FakeServer:
         def __init__(self, model, spec, args, log_path, env):
@@ -468,7 +469,9 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
             self.port = 8000 + len(events)
             self.url = f"http://127.0.0.1:{self.label}"
             self.process = SimpleNamespace(pid=1)
-            self.running = False
+            self.running = self.crashed = False
+            self.crashes = self.label == "crashy" and "crashy" not in servers  # the first round's dies in a level
+            servers[self.label] = self
 
         def start(self):
             if self.label == "broken":
@@ -478,7 +481,7 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
             return self
 
         def alive(self):
-            return self.running
+            return self.running and not self.crashed
 
         def rss_bytes(self):
             return 1 << 30
@@ -490,8 +493,9 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
 
     async def fake_level(url, prompts, concurrency, max_tokens, temperature):
         label = url.rsplit(":", 1)[1]
-        if concurrency > 0 and prompts[0] != bench_serve.WARMUP_PROMPT:
+        if prompts[0] != bench_serve.WARMUP_PROMPT:
             events.append((concurrency, label, tuple(prompts)))
+            servers[label].crashed = servers[label].crashes
         reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
                                 chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
         return [reply] * len(prompts), 2.0 if label == "none" else 1.0
@@ -502,22 +506,23 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
     monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
     out = tmp_path / "out"
     code = bench_serve.main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2",
-                             "--requests-per-level", "2", "--methods", "graft;broken=graft", "--interleave",
-                             "--repeats", "2", "--cpu-affinity", "os", "--out", str(out)])
-    assert code == 1  # the broken method failed
-    first, second = ["q0", "q1"], ["q2", "q3"]
+                             "--requests-per-level", "2", "--methods", "graft;crashy=graft;broken=graft",
+                             "--interleave", "--repeats", "2", "--cpu-affinity", "os", "--out", str(out)])
+    assert code == 1  # broken and crashy failed
+    first, second = ("q0", "q1"), ("q2", "q3")
     assert events == [
-        ("start", "none"), ("start", "graft"),
-        (1, "none", tuple(first)), (1, "graft", tuple(first)),
-        (2, "graft", tuple(second)), (2, "none", tuple(second)),
+        ("start", "none"), ("start", "graft"), ("start", "crashy"),
+        (1, "none", first), (1, "graft", first), (1, "crashy", first),
+        ("stop", "crashy"), (2, "graft", second), (2, "none", second),  # crashy's turn: stopped, not run
         ("stop", "none"), ("stop", "graft"),
-        ("start", "graft"), ("start", "none"),  # round 2: the round's order reversed
-        (1, "graft", tuple(first)), (1, "none", tuple(first)),
-        (2, "none", tuple(second)), (2, "graft", tuple(second)),
-        ("stop", "graft"), ("stop", "none")]
+        ("start", "crashy"), ("start", "graft"), ("start", "none"),  # round 2: the round's order reversed
+        (1, "crashy", first), (1, "graft", first), (1, "none", first),
+        (2, "none", second), (2, "graft", second), (2, "crashy", second),
+        ("stop", "crashy"), ("stop", "graft"), ("stop", "none")]
     report = json.loads((out / "results.json").read_text())
     by = {m["label"]: m for m in report["methods"]}
     assert by["broken"]["status"] == "failed" and "does not start" in by["broken"]["reason"]
+    assert by["crashy"]["status"] == "crashed"
     assert by["graft"]["status"] == by["none"]["status"] == "ok" and by["graft"]["rounds"] == 2
     for level in ("1", "2"):
         assert by["graft"]["levels"][level]["rounds_vs_none"] == [2.0, 2.0]

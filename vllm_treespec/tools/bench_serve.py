@@ -216,6 +216,8 @@ def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.
                 for run in round_order(live, level):
                     if run.server.alive():
                         run.run_level(concurrency, batch)
+                    else:  # what is left of a crashed server (a worker spinning on) must not slow the others
+                        run.server.stop()
     finally:
         entries = {run.spec.label: run.finish() for run in runs}
     return entries
