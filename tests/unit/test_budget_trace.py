@@ -44,7 +44,15 @@ def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     monkeypatch.setattr("vllm_treespec.cost.budget.PLAIN_SAMPLES", 0)  # the gate decides every step (not measured
     # plain steps: test_cost_wiring.py)
     runner = fake_runner([FakeRequest("a", [1, 2, 3, 4, 9], [3, 0])], 8)
-    verifier = TreeVerifier(runner, FakeProposer({"a": SCORED}))
+    proposer = FakeProposer({"a": SCORED})
+    trees_of = proposer.propose_trees
+
+    def with_a_self_gated_head(ctx):
+        ctx.self_gated_seconds = 0.002  # graft's head: 2 ms of the call its own gate priced
+        return trees_of(ctx)
+
+    proposer.propose_trees = with_a_self_gated_head
+    verifier = TreeVerifier(runner, proposer)
     verifier._layers = [recording_layer()]
     verifier.budget = flat_budget()
     assert verifier.budget.trace is not None
@@ -64,6 +72,7 @@ def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     assert first["predicted_ms"] == pytest.approx(50.0)  # the flat 50 ms curve, before the step refined it
     assert first["accepted"] == 0  # the step committed only the target's token
     assert first["drafts"] == 4 and "excess" not in first  # this model prices no context
+    assert first["head_ms"] == pytest.approx(2.0)  # the self-gated part of the call, apart from drafter_ms
     assert lines[1]["gate"] == "draft" and lines[1]["best"] > lines[1]["plain"] > 0
     summary = trace.summarize(lines)
     assert summary["steps"] == 2 and summary["drafted"] == 2 and summary["probes"] == 1
@@ -127,14 +136,14 @@ def test_summaries_say_how_far_the_model_predicted_the_steps():
 
 
 def test_summaries_add_up_the_time_before_drafts_that_nothing_priced():
-    """Between two step starts: the first's forward and host time, then the second's drafter call; what is left
-    before a drafting step is work the budget did not price (a head's catch-up). Idle gaps and steps that did not
-    draft are left out."""
+    """Between two step starts: the first's forward and host time, then the second's drafter call (with the part a
+    proposer's own gate priced, ``head_ms``); what is left before a drafting step is work the budget did not price
+    (a head's catch-up). Idle gaps and steps that did not draft are left out."""
     lines = [{"t": 1.000, "reqs": 4, "tokens": 4, "forward_ms": 50.0, "host_ms": 3.0},
-             {"t": 1.100, "reqs": 4, "tokens": 9, "gate": "probe", "drafter_ms": 7.0, "forward_ms": 70.0,
-              "host_ms": 3.0},  # 100 ms after a 50 ms forward, 3 ms of host and a 7 ms call: 40 ms unpriced
+             {"t": 1.100, "reqs": 4, "tokens": 9, "gate": "probe", "drafter_ms": 7.0, "head_ms": 15.0,
+              "forward_ms": 70.0, "host_ms": 3.0},  # 100 ms after a 50 ms forward, 3 ms of host and a 22 ms call
              {"t": 1.180, "reqs": 4, "tokens": 4, "gate": "skip", "forward_ms": 50.0, "host_ms": 3.0},
              {"t": 1.240, "reqs": 4, "tokens": 8, "gate": "draft", "drafter_ms": 7.0, "forward_ms": 60.0},
              {"t": 3.000, "reqs": 4, "tokens": 8, "gate": "draft", "drafter_ms": 7.0, "forward_ms": 60.0}]  # idle
-    assert trace.summarize(lines)["unpriced_before_drafts_ms"] == pytest.approx(40.0 + 0.0)
+    assert trace.summarize(lines)["unpriced_before_drafts_ms"] == pytest.approx(25.0 + 0.0)
 

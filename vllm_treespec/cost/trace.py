@@ -13,15 +13,17 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     surplus_ms what the drafted steps' allocations saved lately, per step, from the drafts the target accepted (the
                gate drafts while it beats drafter_ms)
     admitted   draft nodes the allocator kept;  expected: tokens it expected of the step (plain ones included)
-    drafter_ms the proposer's call with the pricing of its trees, when it drafted
+    drafter_ms the proposer's call with the pricing of its trees, when it drafted, less head_ms
+    head_ms    the part of that call a proposer's own gate priced (graft's head, ``ProposeContext.self_gated_seconds``),
+               when there was one
     excess     the step's context term E (rows times their sequence lengths beyond the sweep's context), when the
                model prices context: with ``tokens``, ``reqs`` and ``drafts`` what a replay of the model needs
                (``scripts/replay_cost_trace.py``)
     drafts     draft tokens the forward verified (vLLM's scheduled drafts: a tree's admitted nodes, or a chain's)
     factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
 
-A step's ``drafter_ms`` ran before its forward, after the previous step's: the gap between two step starts is the
-first's forward, host time and the second's drafter call, and what is left is work nobody priced
+A step's ``drafter_ms`` and ``head_ms`` ran before its forward, after the previous step's: the gap between two step
+starts is the first's forward, host time and the second's drafter call, and what is left is work nobody priced
 (:func:`unpriced_before_drafts`).
 
 :func:`summarize` condenses the lines of a time window (one load level of ``bench serve``). Tracing costs a dict and
@@ -179,14 +181,15 @@ IDLE_GAP_SECONDS = 0.5
 def unpriced_before_drafts(steps: list[dict[str, Any]]) -> float:
     """Milliseconds, summed over the steps that drafted (gate "draft" or "probe"), of the time since the step before
     started that neither that step's forward, the drafting step's drafter call nor the host time the budget charges
-    account for: work before a draft that the budget did not price (an EAGLE head's catch-up on deferred rows, before
-    it was priced). Gaps of idle time are left out."""
+    account for (nor its ``head_ms``, which the proposer's own gate priced): work before a draft that the budget did
+    not price (an EAGLE head's catch-up on deferred rows, before it was priced). Gaps of idle time are left out."""
     total = 0.0
     for before, step in zip(steps, steps[1:]):
         gap = step["t"] - before["t"]
         if step.get("gate") not in ("draft", "probe") or gap > IDLE_GAP_SECONDS or "forward_ms" not in before:
             continue
-        total += gap * 1e3 - before["forward_ms"] - step.get("drafter_ms", 0.0) - (before.get("host_ms") or 0.0)
+        total += (gap * 1e3 - before["forward_ms"] - step.get("drafter_ms", 0.0) - step.get("head_ms", 0.0)
+                  - (before.get("host_ms") or 0.0))
     return total
 
 

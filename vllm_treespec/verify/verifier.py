@@ -186,6 +186,8 @@ class TreeVerifier:
             # drafter the proposer gates itself (graft's head) is priced by the proposer's gate, not by this one.
             self.budget.drafted(drafting, max(time.perf_counter() - started - ctx.self_gated_seconds
                                               - ctx.deferred_seconds, 0.0))
+            if ctx.self_gated_seconds and self.budget.trace is not None:
+                self.budget.trace.plan(head_ms=ctx.self_gated_seconds * 1e3)
         return drafts
 
     def _tracks_acceptance(self) -> bool:
