@@ -509,8 +509,6 @@ def test_a_request_the_head_does_not_draft_for_costs_no_writes(tmp_path, monkeyp
     assert capped.states["b"].length == 18 and capped._deferred_rows == 8
 
 
-
-
 def test_the_heads_grow_no_larger_than_the_budget_admits():
     """eagle_tree and graft's model drafter ask the head for ``ctx.useful_max_nodes`` nodes a tree (its frontier
     at each level is at most that wide), not ``max_nodes``: under load the budget admits a node or two a request,
