@@ -27,6 +27,7 @@ class Curve:
 FLAT = Curve(lambda t: np.full_like(t, 0.010))
 STEEP = Curve(lambda t: 0.060 * t)  # every token costs a whole plain step
 MIDDLE = Curve(lambda t: 0.060 + 0.006 * (t - 1))
+STEEP_FIRST_NODES = Curve(lambda t: 0.060 + 0.030 * (t - 1))  # a node pays only where it is nearly sure
 
 
 def tree(parents, probs, tokens=None):
@@ -241,6 +242,43 @@ def test_the_gate_learns_the_mean_of_each_requests_jth_best_path_probability():
     np.testing.assert_allclose(gate.marginal, [0.5 * 0.5625 + 0.5, 0.5 * 0.325, 0.5 * 0.15], rtol=1e-6)
     gate.record([None])  # nothing drafted: nothing learnt
     np.testing.assert_allclose(gate.marginal, [0.78125, 0.1625, 0.075], rtol=1e-6)
+
+
+def test_the_gate_shares_a_steps_best_nodes_among_its_requests_as_the_allocator_admits_them():
+    """One request with a long match beside three with nothing: the allocator admits the match's nodes first, and the
+    gate's profile (block j of the step's merged gains, per request) predicts the rate it reaches. A mean of each
+    tree's j-th node, repeated per request, priced it as four trees of a quarter of the match."""
+    match, nothing = star([0.9] * 8), tree([], [])
+    trees = [match, nothing, nothing, nothing]
+    gate = DraftGate(MIDDLE)
+    gate.record(trees)
+    np.testing.assert_allclose(gate.marginal, [0.9, 0.9], rtol=1e-6)
+    assert gate.expected_best(4)[0] == pytest.approx(allocate(trees, MIDDLE).rate, rel=1e-6)
+    assert gate.expected_best(4)[0] > 4 / float(MIDDLE.predict_many(4, 4))  # it pays, and the gate sees it
+    # the requests the drafter was asked for count, trees or not; at most the per-request cap of each tree
+    asked = DraftGate(MIDDLE)
+    asked.record([match, None, None, None], requests=4, per_request_cap=2)
+    np.testing.assert_allclose(asked.marginal, [0.45], rtol=1e-6)
+    assert asked.expected_best(4, max_nodes=2)[0] == pytest.approx(
+        allocate(trees, MIDDLE, per_request_cap=2).rate, rel=1e-6)
+    # any batch of stars (of a size that divides the gate's resolution): the best rate the gate sees for the batch
+    # it learnt from is the allocator's, also where fewer nodes than requests pay
+    rng = np.random.default_rng(0)
+    paying = 0
+    for _ in range(40):
+        batch = [star(rng.uniform(0.0, 1.0, int(rng.integers(0, 6)))) for _ in range(int(rng.choice([1, 2, 4, 8])))]
+        if not any(t.num_nodes for t in batch):
+            continue
+        learnt = DraftGate(STEEP_FIRST_NODES)
+        learnt.record(batch)
+        allocation = allocate(batch, STEEP_FIRST_NODES)
+        assert max(learnt.expected_best(len(batch))) == pytest.approx(allocation.rate, rel=1e-6)
+        paying += 0 < allocation.total_nodes < len(batch)
+    assert paying >= 5
+    # one request: as before, each tree's j-th best node
+    single = DraftGate(MIDDLE)
+    single.record([star([0.3, 0.8, 0.5])])
+    np.testing.assert_allclose(single.marginal, [0.8, 0.5, 0.3], rtol=1e-6)
 
 
 def test_the_gates_expected_rate_follows_every_change_of_its_gains():

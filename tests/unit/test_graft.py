@@ -856,9 +856,9 @@ def test_a_head_that_keeps_drafting_still_measures_the_retrieval_only_trees():
     for _ in range(50):
         ctx = make_ctx([[1, 2, 3]])
         ctx.step_cost = Linear(0.05, 0.004)
-        marginal = None if p.retrieval_gate is None else p.retrieval_gate.marginal
+        gains = None if p.retrieval_gate is None else p.retrieval_gate.gains
         proposed.append(p.propose_trees(ctx)[0])
-        measured.append(p.retrieval_gate.marginal is not marginal)
+        measured.append(p.retrieval_gate.gains is not gains)
     assert drafter.ingested == 50 and p.stats.retrieval_only_steps == 0
     assert [i for i, m in enumerate(measured) if m] == list(range(0, 50, p.head_gate.probe_every))
     # what was measured is the successor chain's trees (0.3 a token), while every proposal is the head's tree

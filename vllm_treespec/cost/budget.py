@@ -189,16 +189,18 @@ class StepBudget:
             self.trace.plan(drafter_ms=seconds * 1e3)
 
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
-              base_tokens: int | None = None, drafted: bool = True, row_excess: np.ndarray | None = None
-              ) -> list[DraftTree | None]:
+              base_tokens: int | None = None, drafted: bool = True, row_excess: np.ndarray | None = None,
+              drafting_requests: int | None = None) -> list[DraftTree | None]:
         """The trees trimmed to the nodes that pay (only those with node_probs change). ``drafted``: the drafter was
-        called for them (False: the gate skipped it, and the trees are all None). ``row_excess``: per tree's request,
+        called for them (False: the gate skipped it, and the trees are all None); ``drafting_requests``: how many
+        requests it was asked for (default: the trees that are not None), the gate's share of each tree's nodes
+        (:meth:`DraftGate.record`). ``row_excess``: per tree's request,
         :meth:`StepTime.row_excess` (None: every row at the curve's context)."""
         if not any(t is not None and t.node_probs is not None for t in trees):
             if drafted and all(t is None for t in trees):
                 self.gate.allocated(None)  # a call that proposed nothing saved nothing
             return list(trees)
-        self.gate.record(trees)
+        self.gate.record(trees, requests=drafting_requests, per_request_cap=self.max_nodes)
         # a probe's trees are verified without the tree work's price, so that price is measured again
         overhead = 0.0 if self.gate.probing else self.tree_work.seconds
         allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,

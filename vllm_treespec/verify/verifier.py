@@ -169,7 +169,8 @@ class TreeVerifier:
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
             calibrated = self.acceptance.calibrate(proposed, corrected=not probing, req_ids=req_ids)
-            trees = self.budget.admit(calibrated, num_reqs, drafted=bool(drafting), row_excess=row_excess)
+            trees = self.budget.admit(calibrated, num_reqs, drafted=bool(drafting), row_excess=row_excess,
+                                      drafting_requests=drafting or None)
             if drafting:
                 admitted = [t for t in trees if t is not None and t.num_nodes]
                 self._admitted_depths.append(max((int(t.depths().max()) for t in admitted), default=0))
