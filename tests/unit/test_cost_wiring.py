@@ -80,7 +80,7 @@ def test_the_proposer_is_told_how_deep_and_how_large_the_budget_admits():
     verifier.propose([[9], [3], [6]])
     first = proposer.contexts[0]
     assert first.useful_depth is None and first.useful_nodes is None and first.useful_max_nodes == 8
-    assert verifier._admitted_depths[-1] == 2 and verifier._admitted_nodes[-1] == 2
+    assert verifier._admitted[-1] == (2, 2)  # (deepest admitted node, most nodes of one tree)
     scheduler_output, num_scheduled = schedule(verifier.runner, {"a": [10, 12]})
     verifier.attach(scheduler_output, num_scheduled)
     plan.publish(None)

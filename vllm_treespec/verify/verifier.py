@@ -34,7 +34,7 @@ logger = logging.getLogger("vllm.treespec")
 
 #: recent allocations whose deepest admitted node sets ``ProposeContext.useful_depth``, and whose largest admitted
 #: tree ``ProposeContext.useful_nodes``
-ADMITTED_DEPTH_WINDOW = 16
+ADMITTED_WINDOW = 16
 
 # The vLLM objects tree verification relies on, attribute by attribute: everything the modules of CONTRACT_MODULES
 # read or write on vLLM's model runner (GPUModelRunner, CPUModelRunner), its InputBatch, the BlockTable of KV-cache
@@ -80,10 +80,9 @@ class TreeVerifier:
         self.budget: Any = None
         self._tree_seconds = 0.0  # this step's host work on trees so far (attach, acceptance, compaction)
         self._probe_cursor = 0  # where the next probe that drafts for some requests takes its first
-        #: the deepest admitted node of each of the last allocations of drafted trees (0: none admitted)
-        self._admitted_depths: collections.deque[int] = collections.deque(maxlen=ADMITTED_DEPTH_WINDOW)
-        #: the most nodes one request's tree was admitted in each of those allocations
-        self._admitted_nodes: collections.deque[int] = collections.deque(maxlen=ADMITTED_DEPTH_WINDOW)
+        #: of each of the last allocations of drafted trees: (the deepest admitted node, the most nodes one request's
+        #: tree was admitted); (0, 0): none admitted
+        self._admitted: collections.deque[tuple[int, int]] = collections.deque(maxlen=ADMITTED_WINDOW)
         self.never_draft = os.environ.get(NEVER_DRAFT_ENV) == "1"
         if self.never_draft:
             logger.warning("vllm_treespec: %s=1: this engine never drafts (its proposer only observes each step)",
@@ -149,11 +148,11 @@ class TreeVerifier:
         row_excess = (self.budget.step_time.row_excess(input_batch.num_tokens_no_spec[:num_reqs])
                       if self.budget is not None else None)
         ctx.row_excess = row_excess
-        if self.budget is not None and self._admitted_depths:
-            ctx.useful_depth = max(self._admitted_depths) + 1
+        if self.budget is not None and self._admitted:
+            ctx.useful_depth = max(depth for depth, _ in self._admitted) + 1
             # twice what one tree was admitted, plus one: a tree that pays more than lately is offered in full within
             # a few steps, and a probe drafts in full
-            ctx.useful_nodes = 2 * max(self._admitted_nodes) + 1
+            ctx.useful_nodes = 2 * max(nodes for _, nodes in self._admitted) + 1
         started = time.perf_counter()
         drafted, drafting = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
@@ -173,8 +172,8 @@ class TreeVerifier:
                                       drafting_requests=drafting or None)
             if drafting:
                 admitted = [t for t in trees if t is not None and t.num_nodes]
-                self._admitted_depths.append(max((int(t.depths().max()) for t in admitted), default=0))
-                self._admitted_nodes.append(max((t.num_nodes for t in admitted), default=0))
+                self._admitted.append((max((int(t.depths().max()) for t in admitted), default=0),
+                                       max((t.num_nodes for t in admitted), default=0)))
             if self.budget.trace is not None:
                 self.budget.trace.plan(factor=ctx.expectation_factor)
         if tracking:
