@@ -246,8 +246,9 @@ def test_the_gate_learns_the_mean_of_each_requests_jth_best_path_probability():
 
 def test_the_gate_shares_a_steps_best_nodes_among_its_requests_as_the_allocator_admits_them():
     """One request with a long match beside three with nothing: the allocator admits the match's nodes first, and the
-    gate's profile (block j of the step's merged gains, per request) predicts the rate it reaches. A mean of each
-    tree's j-th node, repeated per request, priced it as four trees of a quarter of the match."""
+    gate's profile (the step's gains merged best first, the j-th at j / n of a request's nodes) predicts the rate it
+    reaches. A mean of each tree's j-th node, repeated per request, priced it as four trees of a quarter of the
+    match."""
     match, nothing = star([0.9] * 8), tree([], [])
     trees = [match, nothing, nothing, nothing]
     gate = DraftGate(MIDDLE)

@@ -378,8 +378,7 @@ class DraftGate:
         """Learn from one step's proposals what a request's best nodes are worth, as :func:`allocate` takes them: the
         step's path probabilities merged best first across its ``n`` requests, the j-th of them at ``j / n`` of a
         request's nodes. A mean of each tree's j-th best node, repeated for every request, priced one long retrieval
-        match beside seven empty trees as eight mediocre trees, where the allocator admits the match's nodes first:
-        under load the gate predicted 1.0-1.2x plain decoding for steps that made 1.4-2.1x.
+        match beside seven empty trees as eight mediocre trees, where the allocator admits the match's nodes first.
         Each path probability is scaled by ``scale`` (at most 1): the verifier's expectation correction, for trees it
         has not corrected yet. ``requests``: the requests the drafter was asked for (default: the trees that are not
         None; a tree without nodes counts, as nothing); ``per_request_cap``: most nodes of one tree the allocator
