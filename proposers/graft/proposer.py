@@ -165,7 +165,7 @@ class GraftProposer(TreeProposer):
         # the head's trees must beat the retrieval-only ones too (unknown until a head step has priced them). A
         # step they lose is a skipped step of the head's gate: its probes keep what the head's trees are worth
         # current, where a veto after the gate would leave them as the first steps had priced them, for good
-        retrieval_best = None if self.retrieval_gate.marginal is None else \
+        retrieval_best = None if self.retrieval_gate.gains is None else \
             self.retrieval_gate.expected_best(num_drafting, budget, row_excess=excess)[0]
         return self.head_gate.should_draft(num_drafting, budget, row_excess=excess, extra_seconds=backlog,
                                            rival_rate=retrieval_best)
@@ -180,7 +180,7 @@ class GraftProposer(TreeProposer):
         for the retrieval gate: on the first head step and every ``probe_every``-th of a streak."""
         if not use_drafter or self.retrieval_gate is None or self.head_gate is None:
             return False
-        return self.retrieval_gate.marginal is None or (self._head_streak - 1) % self.head_gate.probe_every == 0
+        return self.retrieval_gate.gains is None or (self._head_streak - 1) % self.head_gate.probe_every == 0
 
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
