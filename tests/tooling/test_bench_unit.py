@@ -307,6 +307,28 @@ def test_bench_serve_summarises_the_servers_budget_trace_per_level(tmp_path):
     assert " 50% " in table and " 0% " in table
 
 
+def test_bench_serve_reads_each_round_against_its_servers_own_plain_steps():
+    """The table's ``vs own plain``: the median over rounds of each level's decode steps against its server's own
+    plain steps (the budget trace's ``own_plain``); rounds without one are left out, and a server without a trace
+    shows ``-``."""
+    from vllm_treespec.tools.bench_serve import format_table, merge_rounds
+
+    def entry(pid, ratio):
+        e = _serve_entry("graft", {"4": 40.0 + pid}, pid)
+        e["levels"]["4"]["budget"] = {"steps": 100, "verifying_steps": 20,
+                                      "own_plain": None if ratio is None else {"ratio": ratio}}
+        return e
+
+    graft = merge_rounds([entry(1, 0.90), entry(2, 1.20), entry(3, None), entry(4, 1.00)])
+    assert graft["levels"]["4"]["rounds_vs_own_plain"] == [0.90, 1.20, None, 1.00]
+    none = merge_rounds([_serve_entry("none", {"4": 40.0}, 5)])
+    table = format_table([none, graft]).splitlines()
+    header = table[0].split("  ")
+    column = [h.strip() for h in header if h.strip()].index("vs own plain")
+    assert next(r for r in table if r.startswith("graft")).split()[column] == "1.00x"
+    assert next(r for r in table if r.startswith("none")).split()[column] == "-"
+
+
 def test_bench_reports_the_share_of_steps_that_verified_drafts():
     """Offline bench: a method whose engine wrote a budget trace gets a line per method under the table."""
     graft = bench.MethodResult(bench.parse_methods("graft")[1])
@@ -317,6 +339,10 @@ def test_bench_reports_the_share_of_steps_that_verified_drafts():
     none = bench.MethodResult(bench.parse_methods("graft")[0])
     text = bench.budget_lines([none, graft])
     assert "graft: steps that verified drafts 25% of 200 / 10% of 100" in text and "none" not in text
+    assert "own plain steps" not in text  # traces without a plain reference
+    graft.budget[0]["own_plain"] = {"ratio": 1.234, "steps": 190, "verifying_steps": 50, "plain_steps": 140}
+    graft.budget[1]["own_plain"] = None
+    assert "decode steps against the engine's own plain steps 1.23x" in bench.budget_lines([graft])
     assert bench.budget_lines([none]) == ""
 
 

@@ -171,6 +171,7 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "host_ms": steps[-1].get("host_ms"),
         "prediction_error": prediction_error(steps),
         "unpriced_before_drafts_ms": unpriced_before_drafts(steps),
+        "own_plain": against_own_plain_steps(steps),
     }
 
 
@@ -191,6 +192,62 @@ def unpriced_before_drafts(steps: list[dict[str, Any]]) -> float:
         total += (gap * 1e3 - before["forward_ms"] - step.get("drafter_ms", 0.0) - step.get("head_ms", 0.0)
                   - (before.get("host_ms") or 0.0))
     return total
+
+
+#: plain steps of one request count a window needs before its steps of that count are weighed against them
+MIN_PLAIN_REFERENCES = 3
+
+
+def _drafts(step: dict[str, Any]) -> int:
+    return int(step.get("drafts", step.get("admitted", 0)))
+
+
+def _drafter_ms(step: dict[str, Any]) -> float:
+    """The proposer's call before the step's forward (its drafter and the part its own gate priced)."""
+    return step.get("drafter_ms", 0.0) + step.get("head_ms", 0.0)
+
+
+def decode_step_times(steps: list[dict[str, Any]]) -> list[tuple[int, int, int, float, float]]:
+    """Per decode step (as many tokens as requests and drafts; none before an idle gap): (requests, accepted drafts,
+    drafts, milliseconds of the step, of which its proposer's call). A step's time runs from its start to the next
+    step's, less the next step's call (made before that step's forward), plus its own."""
+    timed = []
+    for step, after in zip(steps, steps[1:]):
+        gap = after["t"] - step["t"]
+        reqs, drafts = step.get("reqs", 0), _drafts(step)
+        if reqs <= 0 or gap > IDLE_GAP_SECONDS or step.get("tokens") != reqs + drafts:
+            continue
+        ms = gap * 1e3 - _drafter_ms(after) + _drafter_ms(step)
+        timed.append((reqs, step.get("accepted", 0) if drafts else 0, drafts, ms, _drafter_ms(step)))
+    return timed
+
+
+def against_own_plain_steps(steps: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The window's decode steps against the same server's plain steps: how much faster they committed tokens than
+    steps without drafts would have, in the same server at the same minutes (a ratio between two servers carries
+    their speeds, which here differ by 10-30% between rounds, as much as what drafting changes at 4-16 requests).
+
+    A step's time is its proposer's call, forward and host time (:func:`decode_step_times`). A step that verified
+    no drafts, less its call, is what a plain step of its request count costs (their median; counts with fewer than
+    ``MIN_PLAIN_REFERENCES`` such steps are left out). A step of ``n`` requests that accepted ``a`` drafts committed
+    ``(n + a) / n`` plain steps' worth of tokens; the ratio is those plain steps' time over the steps' own, summed
+    over the window. The plain steps of a speculative server carry its proposer's observation of each step (graft:
+    ~1 ms), so this reads what drafting gains over this server's plain steps, not over a server without
+    speculation. Returns ``{"ratio", "steps", "verifying_steps", "plain_steps"}``, or None without a plain
+    reference."""
+    timed = decode_step_times(steps)
+    plain: dict[int, list[float]] = {}
+    for reqs, _, drafts, ms, call in timed:
+        if not drafts:
+            plain.setdefault(reqs, []).append(ms - call)
+    reference = {reqs: statistics.median(ms) for reqs, ms in plain.items() if len(ms) >= MIN_PLAIN_REFERENCES}
+    counted = [(reqs, accepted, drafts, ms) for reqs, accepted, drafts, ms, _ in timed if reqs in reference]
+    if not counted:
+        return None
+    as_plain = sum((reqs + accepted) / reqs * reference[reqs] for reqs, accepted, _, _ in counted)
+    return {"ratio": as_plain / sum(ms for *_, ms in counted), "steps": len(counted),
+            "verifying_steps": sum(drafts > 0 for _, _, drafts, _ in counted),
+            "plain_steps": sum(len(plain[reqs]) for reqs in reference)}
 
 
 def prediction_error(steps: list[dict[str, Any]]) -> dict[str, float] | None:

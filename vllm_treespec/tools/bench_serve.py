@@ -261,7 +261,8 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         median = statistics.median_low(rates)
         merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates,
                                    "rounds_plain_forward_ms": [(s.get("plain_forward") or {}).get("ms")
-                                                               for s in per_round]}
+                                                               for s in per_round],
+                                   "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round]}
     return merged
 
 
@@ -290,6 +291,19 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
                     s["vs_none_paired_equal_speed"] = statistics.median(s["rounds_vs_none_equal_speed"])
 
 
+def own_plain_ratio(level: dict[str, Any]) -> float | None:
+    """A level's decode steps against its server's own plain steps (the budget trace,
+    :func:`~vllm_treespec.cost.trace.against_own_plain_steps`); None without a trace or plain steps."""
+    own = (level.get("budget") or {}).get("own_plain")
+    return None if own is None else own["ratio"]
+
+
+def own_plain_cell(level: dict[str, Any]) -> str:
+    """The median over rounds of :func:`own_plain_ratio`, e.g. ``1.04x``; ``-`` where no round has one."""
+    ratios = [r for r in level.get("rounds_vs_own_plain") or [own_plain_ratio(level)] if r is not None]
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+
 def verify_share(budget: dict[str, Any] | None) -> str:
     """The share of the level's engine steps that verified drafts (from the budget trace), e.g. ``41%``."""
     share = trace.verifying_share(budget)
@@ -298,8 +312,8 @@ def verify_share(budget: dict[str, Any] | None) -> str:
 
 def format_table(methods: list[dict[str, Any]]) -> str:
     header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "paired, eq. speed", "req/s",
-              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "rounds tok/s",
-              "plain fwd"]
+              "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "vs own plain",
+              "rounds tok/s", "plain fwd"]
     table = [header]
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
     for m in methods:
@@ -315,7 +329,7 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
                           ratio, paired, equal, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),
                           ms(s["ttft_s"]["p99"]), ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
-                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), rounds or "-",
+                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), own_plain_cell(s), rounds or "-",
                           " / ".join("-" if v is None else f"{v:.1f}" for v in forwards) + " ms"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
