@@ -151,25 +151,27 @@ def test_summaries_add_up_the_time_before_drafts_that_nothing_priced():
 
 def test_summaries_weigh_decode_steps_against_the_servers_own_plain_steps():
     """A step's time is its proposer's call, forward and host time (start to the next start, less the next step's
-    call); a step of n requests that accepted a drafts is worth (n + a) / n of the server's median plain step at n
-    (a step that verified nothing, less its call). Prefill steps, idle gaps and request counts with fewer than three
-    plain steps are left out."""
+    call); a step of n requests that accepted a drafts is worth (n + a) / n of the server's mean plain step at n (a
+    step that verified nothing, less its call: the plain steps alone read 1.0). Prefill steps, idle gaps and
+    request counts with fewer than three plain steps are left out."""
     lines = [{"t": 0.000, "reqs": 2, "tokens": 2, "drafts": 0},  # 50 ms
-             {"t": 0.050, "reqs": 2, "tokens": 2, "drafts": 0},  # 50 ms
-             {"t": 0.100, "reqs": 2, "tokens": 2, "drafts": 0},  # 50 ms, then the next step's 10 ms call
-             {"t": 0.160, "reqs": 2, "tokens": 6, "drafts": 4, "accepted": 3, "drafter_ms": 10.0, "gate": "draft",
+             {"t": 0.050, "reqs": 2, "tokens": 2, "drafts": 0},  # 70 ms
+             {"t": 0.120, "reqs": 2, "tokens": 2, "drafts": 0},  # 50 ms, then the next step's 10 ms call
+             {"t": 0.180, "reqs": 2, "tokens": 6, "drafts": 4, "accepted": 3, "drafter_ms": 10.0, "gate": "draft",
               "admitted": 4},  # 10 + 60 ms for 2 + 3 tokens: 2.5 plain steps' worth
-             {"t": 0.230, "reqs": 2, "tokens": 2, "drafts": 0, "drafter_ms": 4.0, "head_ms": 6.0,
+             {"t": 0.250, "reqs": 2, "tokens": 2, "drafts": 0, "drafter_ms": 4.0, "head_ms": 6.0,
               "gate": "draft"},  # a call that admitted nothing: 10 + 50 ms for one plain step's worth
-             {"t": 0.280, "reqs": 2, "tokens": 40, "drafts": 0},  # a prefill chunk
-             {"t": 0.400, "reqs": 1, "tokens": 1, "drafts": 0},  # one request: no plain reference at 1
-             {"t": 0.450, "reqs": 1, "tokens": 1, "drafts": 0},
+             {"t": 0.300, "reqs": 2, "tokens": 40, "drafts": 0},  # a prefill chunk
+             {"t": 0.420, "reqs": 1, "tokens": 1, "drafts": 0},  # one request: no plain reference at 1
+             {"t": 0.470, "reqs": 1, "tokens": 1, "drafts": 0},
              {"t": 2.000, "reqs": 1, "tokens": 1, "drafts": 0}]  # after an idle gap
-    assert [ms for *_, ms, _ in trace.decode_step_times(lines)] == pytest.approx([50, 50, 50, 70, 60, 50])
+    assert [ms for *_, ms, _ in trace.decode_step_times(lines)] == pytest.approx([50, 70, 50, 70, 60, 50])
+    plain_step = (50 + 70 + 50 + 50) / 4  # the mean, not the median (50)
     own = trace.summarize(lines)["own_plain"]
-    assert own["ratio"] == pytest.approx((3 * 50 + 2.5 * 50 + 50) / (3 * 50 + 70 + 60))
+    assert own["ratio"] == pytest.approx((3 + 2.5 + 1) * plain_step / (50 + 70 + 50 + 70 + 60))
     assert own["steps"] == 5 and own["verifying_steps"] == 1 and own["plain_steps"] == 4
+    assert trace.summarize(lines[:4])["own_plain"]["ratio"] == pytest.approx(1.0)  # plain steps alone
     assert trace.summarize(lines[3:])["own_plain"] is None  # one plain step of 2 requests: no reference
     drafting_never_paid = [{**line, "accepted": 0} for line in lines]
     assert trace.summarize(drafting_never_paid)["own_plain"]["ratio"] == pytest.approx(
-        (5 * 50) / (3 * 50 + 70 + 60))
+        5 * plain_step / (50 + 70 + 50 + 70 + 60))

@@ -152,7 +152,9 @@ class MethodRound:
         replies, wall = asyncio.run(run_level(self.server.url, batch, concurrency, self.args.max_tokens,
                                               self.args.temperature))
         self.windows[str(concurrency)] = (opened, time.time())
-        self.entry["levels"][str(concurrency)] = level_stats(replies, wall)
+        # the level's wall-clock window, kept so that its traces can be read again with a later analysis
+        self.entry["levels"][str(concurrency)] = {**level_stats(replies, wall),
+                                                  "window": list(self.windows[str(concurrency)])}
 
     def finish(self) -> dict[str, Any]:
         if self.up:
@@ -262,7 +264,8 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates,
                                    "rounds_plain_forward_ms": [(s.get("plain_forward") or {}).get("ms")
                                                                for s in per_round],
-                                   "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round]}
+                                   "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round],
+                                   "rounds_window": [s.get("window") for s in per_round]}
     return merged
 
 
