@@ -148,7 +148,6 @@ def test_summaries_add_up_the_time_before_drafts_that_nothing_priced():
     assert trace.summarize(lines)["unpriced_before_drafts_ms"] == pytest.approx(25.0 + 0.0)
 
 
-
 def test_summaries_weigh_decode_steps_against_the_servers_own_plain_steps():
     """A step's time is its proposer's call, forward and host time (start to the next start, less the next step's
     call); a step of n requests that accepted a drafts is worth (n + a) / n of the server's mean plain step at n (a

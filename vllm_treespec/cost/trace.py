@@ -224,18 +224,22 @@ def decode_step_times(steps: list[dict[str, Any]]) -> list[tuple[int, int, int, 
 
 def against_own_plain_steps(steps: list[dict[str, Any]]) -> dict[str, float] | None:
     """The window's decode steps against the same server's plain steps: how much faster they committed tokens than
-    steps without drafts would have, in the same server at the same minutes (a ratio between two servers carries
-    their speeds, which here differ by 10-30% between rounds, as much as what drafting changes at 4-16 requests).
+    its steps without drafts would have, at the same minutes (a ratio between two servers carries their speeds,
+    which here differ by 10-30% between rounds, as much as what drafting changes at 4-16 requests).
 
     A step's time is its proposer's call, forward and host time (:func:`decode_step_times`). A step that verified
     no drafts, less its call, is what a plain step of its request count costs: their mean, so that the plain steps
-    themselves read 1.0 (their median sits below the mean of a right-skewed spread, and read served bf16 levels
-    of plain steps at 0.96-0.98x); counts with fewer than ``MIN_PLAIN_REFERENCES`` such steps are left out. A step of ``n`` requests that accepted ``a`` drafts committed
+    themselves read 1.0 (the median of a right-skewed spread read them at ~0.97x); counts with fewer than
+    ``MIN_PLAIN_REFERENCES`` such steps are left out. A step of ``n`` requests that accepted ``a`` drafts committed
     ``(n + a) / n`` plain steps' worth of tokens; the ratio is those plain steps' time over the steps' own, summed
-    over the window. The plain steps of a speculative server carry its proposer's observation of each step (graft:
-    ~1 ms), so this reads what drafting gains over this server's plain steps, not over a server without
-    speculation. Returns ``{"ratio", "steps", "verifying_steps", "plain_steps"}``, or None without a plain
-    reference."""
+    over the window.
+
+    It reads whether the steps the gate drafted paid against the steps it left plain, not a server without
+    speculation: those plain steps carry the proposer's observation of each step (graft: ~1 ms), and the gate
+    leaves plain the rows it prices dearest (long contexts), so where that follows the step's cost the reference is
+    dear and the ratio overstates (fp32 at 2 served requests: 1.54x against its plain steps, 1.04x against no
+    speculation's server). Returns ``{"ratio", "steps", "verifying_steps", "plain_steps"}``, or None without a
+    plain reference."""
     timed = decode_step_times(steps)
     plain: dict[int, list[float]] = {}
     for reqs, _, drafts, ms, call in timed:

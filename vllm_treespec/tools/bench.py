@@ -617,7 +617,8 @@ def tokens_per_forward(output_tokens: float, accepted: float) -> float | None:
 
 def budget_lines(results: list[MethodResult]) -> str:
     """Per method with a step budget, per repeat (the budget trace): the share of engine steps that verified drafts,
-    and its decode steps' speed against its own plain steps' (:func:`~vllm_treespec.cost.trace.against_own_plain_steps`)."""
+    and its decode steps' speed against its own plain steps' (:func:`vllm_treespec.cost.trace.against_own_plain_steps`:
+    what the drafted steps gained over those the gate left plain)."""
     lines = []
     for result in results:
         shares = [f"{100 * trace.verifying_share(b):.0f}% of {b['steps']}" for b in result.budget

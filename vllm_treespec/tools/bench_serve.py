@@ -332,7 +332,8 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
                           ratio, paired, equal, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),
                           ms(s["ttft_s"]["p99"]), ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
-                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), own_plain_cell(s), rounds or "-",
+                          f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), own_plain_cell(s),
+                          rounds or "-",
                           " / ".join("-" if v is None else f"{v:.1f}" for v in forwards) + " ms"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
