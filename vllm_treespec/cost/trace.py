@@ -179,6 +179,11 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
 IDLE_GAP_SECONDS = 0.5
 
 
+def _drafter_ms(step: dict[str, Any]) -> float:
+    """The proposer's call before the step's forward (its drafter and the part its own gate priced)."""
+    return step.get("drafter_ms", 0.0) + step.get("head_ms", 0.0)
+
+
 def unpriced_before_drafts(steps: list[dict[str, Any]]) -> float:
     """Milliseconds, summed over the steps that drafted (gate "draft" or "probe"), of the time since the step before
     started that neither that step's forward, the drafting step's drafter call nor the host time the budget charges
@@ -189,8 +194,7 @@ def unpriced_before_drafts(steps: list[dict[str, Any]]) -> float:
         gap = step["t"] - before["t"]
         if step.get("gate") not in ("draft", "probe") or gap > IDLE_GAP_SECONDS or "forward_ms" not in before:
             continue
-        total += (gap * 1e3 - before["forward_ms"] - step.get("drafter_ms", 0.0) - step.get("head_ms", 0.0)
-                  - (before.get("host_ms") or 0.0))
+        total += gap * 1e3 - before["forward_ms"] - _drafter_ms(step) - (before.get("host_ms") or 0.0)
     return total
 
 
@@ -200,11 +204,6 @@ MIN_PLAIN_REFERENCES = 3
 
 def _drafts(step: dict[str, Any]) -> int:
     return int(step.get("drafts", step.get("admitted", 0)))
-
-
-def _drafter_ms(step: dict[str, Any]) -> float:
-    """The proposer's call before the step's forward (its drafter and the part its own gate priced)."""
-    return step.get("drafter_ms", 0.0) + step.get("head_ms", 0.0)
 
 
 def decode_step_times(steps: list[dict[str, Any]]) -> list[tuple[int, int, int, float, float]]:

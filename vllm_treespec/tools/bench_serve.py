@@ -115,7 +115,6 @@ class MethodRound:
             env[NEVER_DRAFT_ENV] = "1"
         self.server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=self.log_path,
                                     env=env)
-        self.windows: dict[str, tuple[float, float]] = {}
         self.entry["port"] = self.server.port
         self.rss: RssSampler | None = None
         self.up = False
@@ -151,10 +150,8 @@ class MethodRound:
         opened = time.time()
         replies, wall = asyncio.run(run_level(self.server.url, batch, concurrency, self.args.max_tokens,
                                               self.args.temperature))
-        self.windows[str(concurrency)] = (opened, time.time())
-        # the level's wall-clock window, kept so that its traces can be read again with a later analysis
-        self.entry["levels"][str(concurrency)] = {**level_stats(replies, wall),
-                                                  "window": list(self.windows[str(concurrency)])}
+        # the level's wall-clock window: its part of the traces, now and for a later analysis of results.json
+        self.entry["levels"][str(concurrency)] = {**level_stats(replies, wall), "window": [opened, time.time()]}
 
     def finish(self) -> dict[str, Any]:
         if self.up:
@@ -164,8 +161,9 @@ class MethodRound:
             self.entry["status"] = "ok" if self.server.alive() else "crashed"
             self.server.stop()
             self.up = False
-        add_budget_trace(self.entry, trace.files(self.trace_path), self.windows)
-        add_forward_times(self.entry, forward_times.read_trace(trace.files(self.forwards_path)), self.windows)
+        windows = {level: tuple(stats["window"]) for level, stats in self.entry["levels"].items()}
+        add_budget_trace(self.entry, trace.files(self.trace_path), windows)
+        add_forward_times(self.entry, forward_times.read_trace(trace.files(self.forwards_path)), windows)
         return self.entry
 
 
