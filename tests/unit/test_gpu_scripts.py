@@ -49,7 +49,8 @@ def test_gpu_step_cost_fits_the_engines_model_and_allocates_on_it(tmp_path):
 
 
 def test_gpu_kernel_tuning_ranks_every_configuration():
-    """--tune needs a GPU; its loop and ranking run here under the interpreter on two tiny shapes."""
+    """--tune needs a GPU; its loop, its compiling processes and its ranking run here under the interpreter on two
+    tiny shapes."""
     code = """
 import sys, torch
 sys.path.insert(0, "scripts")
@@ -59,13 +60,14 @@ bench.TUNE_SHAPES = ((1, 40, 4), (2, 20, 8))
 bench.TUNE_TILE_M, bench.TUNE_BLOCK_N, bench.TUNE_WARPS, bench.TUNE_STAGES = (32, 64), (64,), (4,), (3,)
 torch.cuda.get_device_name = lambda *a: "interpreter"
 torch.cuda.empty_cache = lambda: None
-bench.tune(triton_tree, torch.device("cpu"), 4, 2, 16, 16, torch.float32, 1)
+bench.tune(triton_tree, torch.device("cpu"), 4, 2, 16, 16, torch.float32, 1, jobs=2)
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
+    assert "compiled 2 configurations x 2 shapes in 2 processes" in proc.stdout
     assert sum(line.startswith("1x40x4: defaults (64, 64, 4, 3)") for line in lines) == 1
     ranked = [line for line in lines if line.startswith("| 32 |") or line.startswith("| 64 |")]
     means = [float(line.rstrip(" |").rsplit("|", 1)[1]) for line in ranked]
