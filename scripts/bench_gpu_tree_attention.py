@@ -4,8 +4,10 @@ Standalone: torch + triton + numpy, no vLLM (the GPU machine has none); it impor
 ``vllm_treespec.attn.triton_tree`` from this checkout. Three timings per shape, at equal tokens per request
 (``rows`` query rows over ``context + rows`` keys, Llama-3-8B heads: 32 query / 8 KV heads, head_dim 128):
 
-- tree:  the Triton kernel over the paged cache with random trees (ancestor bitmasks), its context split over as many
-         programs as ``choose_num_splits`` picks for the GPU, and again with one split (no split-KV);
+- tree:  the Triton kernel over the paged cache with random trees (ancestor bitmasks), launched as an engine does
+         (``plan_for_step``: tiles and launch configuration by the widest tree, the context split over as many
+         programs as ``choose_num_splits`` picks for the GPU), again with the default launch configuration, and
+         again with one split (no split-KV);
 - chain: the same kernel with chain masks (row j sees rows 0..j);
 - sdpa:  torch ``scaled_dot_product_attention``, causal aligned bottom-right, over a contiguous (not paged) KV of
          the same bytes: what FlashAttention costs for a chain of the same length.
@@ -125,7 +127,7 @@ def check_correctness(tt, device, shapes, heads, kv_heads, head_dim, block_size)
             keys, values, key_cache, value_cache, table = paged_kv(num_reqs, context + rows, kv_heads, head_dim,
                                                                   block_size, dtype, device, True, generator)
             query = torch.randn(num_reqs * rows, heads, head_dim, generator=generator, device=device).to(dtype)
-            plan = tt.build_kernel_plan(batch, tt.rows_per_tile_for(heads // kv_heads)[0], device)
+            plan = tt.plan_for_step(batch, heads // kv_heads, device)
             scale = head_dim ** -0.5
             out, _ = tt.tree_attention(query, key_cache, value_cache, table, plan, scale)
             error = (out.double() - dense_reference(query, keys, values, batch, scale)).abs().max().item()
@@ -165,9 +167,10 @@ def sdpa_chain(query_bhwd, keys, values, rows):
 def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim, block_size, dtype, iters) -> None:
     print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (interpreter)'}, {dtype}, "
           f"{heads} query / {kv_heads} KV heads, head_dim {head_dim}, block {block_size}; µs per layer (median)")
-    print("| requests | context | rows | splits | tree µs | tree, 1 split µs | chain-mask µs | sdpa causal µs "
-          "| sdpa kernel | tree / sdpa | plan build µs (host) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| requests | context | rows | splits | launch (tile_m/block_n/warps/stages) | tree µs | tree, default "
+          "launch µs | tree, 1 split µs | chain-mask µs | sdpa causal µs | sdpa kernel | tree / sdpa | plan build µs "
+          "(host) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     scale = head_dim ** -0.5
     for num_reqs in requests:
         for context in contexts:
@@ -178,11 +181,14 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                                                                       block_size, dtype, device, False, generator)
                 keys, values = keys[:, :seq_len], values[:, :seq_len]
                 query = torch.randn(num_reqs * rows, heads, head_dim, generator=generator, device=device).to(dtype)
-                rows_per_tile = tt.rows_per_tile_for(heads // kv_heads)[0]
+                group = heads // kv_heads
                 timings = []
-                for chain, splits in ((False, None), (False, 1), (True, None)):
+                # tree (as an engine launches it), tree with the default launch, tree unsplit, chain masks
+                for chain, splits, default_launch in ((False, None, False), (False, None, True), (False, 1, False),
+                                                      (True, None, False)):
                     batch = make_batch(rng, num_reqs, context, rows, chain)
-                    plan = tt.build_kernel_plan(batch, rows_per_tile, device)
+                    plan = (tt.build_kernel_plan(batch, tt.rows_per_tile_for(group)[0], device) if default_launch
+                            else tt.plan_for_step(batch, group, device))
                     output = torch.empty_like(query)
                     timings.append(timed_us(lambda: tt.tree_attention(query, key_cache, value_cache, table, plan,
                                                                       scale, output=output, num_splits=splits),
@@ -194,11 +200,11 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                 sdpa_call, sdpa_label = sdpa_chain(query_bhwd, keys, values, rows)
                 timings.append(timed_us(sdpa_call, device, iters))
                 batch = make_batch(rng, num_reqs, context, rows, False)
-                plan_us = timed_us(lambda: tt.build_kernel_plan(batch, rows_per_tile, device), torch.device("cpu"),
-                                   iters)
-                print(f"| {num_reqs} | {context} | {rows} | {chosen} | {timings[0]:.1f} | {timings[1]:.1f} | "
-                      f"{timings[2]:.1f} | {timings[3]:.1f} | {sdpa_label} | {timings[0] / timings[3]:.2f} | "
-                      f"{plan_us:.1f} |")
+                plan_us = timed_us(lambda: tt.plan_for_step(batch, group, device), torch.device("cpu"), iters)
+                launch = "/".join(map(str, plan.launch))
+                print(f"| {num_reqs} | {context} | {rows} | {chosen} | {launch} | {timings[0]:.1f} | "
+                      f"{timings[1]:.1f} | {timings[2]:.1f} | {timings[3]:.1f} | {timings[4]:.1f} | {sdpa_label} | "
+                      f"{timings[0] / timings[4]:.2f} | {plan_us:.1f} |")
                 del keys, values, key_cache, value_cache
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

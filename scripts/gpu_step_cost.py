@@ -84,7 +84,6 @@ class TreeDecoder:
         self.norm = torch.ones(s.hidden, device=device, dtype=dtype)
         self.lm_head = weight(s.vocab, s.hidden)
         self.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, s.head_dim, 2, device=device).float() / s.head_dim))
-        self.rows_per_tile = triton_tree.rows_per_tile_for(s.heads // s.kv_heads)[0]
         # paged K/V caches for the largest step, allocated once (CUDA graphs hold their addresses)
         self.caches = []
         for _ in range(s.layers):
@@ -110,7 +109,7 @@ class TreeDecoder:
                     token_ids=rng.integers(0, self.shape.vocab, num_tokens))
         inputs = {k: torch.from_numpy(v).to(self.device, non_blocking=True) for k, v in host.items()}
         inputs["table"] = torch.arange(num_reqs * per_req, device=self.device, dtype=torch.int32).view(num_reqs, -1)
-        inputs["plan"] = self.tt.build_kernel_plan(batch, self.rows_per_tile, self.device)
+        inputs["plan"] = self.tt.plan_for_step(batch, self.shape.heads // self.shape.kv_heads, self.device)
         return inputs
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,

@@ -40,7 +40,11 @@ KERNEL_CASES = {
                                                               (0, 4, "chain")]),
     "split3_fp32_two_words": ("float32", "flash", 1, 1, 16, 16, [(130, 70, "random")]),
     "split7_fp16_gqa8_flash": ("float16", "flash", 8, 1, 32, 16, [(150, 20, "random"), (64, 1, "random")]),
+    # a tree of 41 rows x 4 heads fills the wide launch's 128-pair tiles: two tiles of its request, two words
+    "wide_launch_fp32_gqa4": ("float32", "flash", 4, 2, 32, 16, [(90, 40, "random"), (5, 3, "chain")]),
 }
+#: cases whose widest tree fills a wide tile (rows x group >= 128): plan_for_step launches them wide, the rest default
+WIDE_LAUNCH_CASES = {"random_fp32_gqa8_nhd", "split7_fp16_gqa8_flash", "wide_launch_fp32_gqa4"}
 #: cases run with the context split over this many programs (the rest: one, as on CPU by default)
 SPLITS = {"split4_fp32_gqa4_nhd": 4, "split3_fp32_two_words": 3, "split7_fp16_gqa8_flash": 7}
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -130,14 +134,15 @@ def reference_rows(case: SimpleNamespace) -> list[tuple[int, torch.Tensor, torch
 
 
 def run_kernel_case(name: str) -> dict:
-    from vllm_treespec.attn.triton_tree import build_kernel_plan, rows_per_tile_for, tree_attention
+    from vllm_treespec.attn.triton_tree import plan_for_step, tree_attention
 
     case = make_case(*KERNEL_CASES[name])
-    kernel_plan = build_kernel_plan(case.batch, rows_per_tile_for(case.group)[0])
+    kernel_plan = plan_for_step(case.batch, case.group)  # as an engine's step builds it
     output = torch.full_like(case.query, SENTINEL)
     output, lse = tree_attention(case.query, case.key_cache, case.value_cache, case.block_table, kernel_plan,
                                  case.scale, output=output, num_splits=SPLITS.get(name))
-    return compare(case, output, lse)
+    return {**compare(case, output, lse), "launch": list(kernel_plan.launch),
+            "rows_per_tile": kernel_plan.rows_per_tile}
 
 
 def compare(case: SimpleNamespace, output: torch.Tensor, lse: torch.Tensor | None) -> dict:
@@ -216,6 +221,20 @@ def test_tree_kernel_matches_reference(interpreter_results, name):
     assert result["output_error"] <= tolerance, result
     assert result["lse_error"] <= tolerance, result
     assert result["others_untouched"], result
+
+
+def test_launch_goes_wide_only_for_trees_that_fill_a_wide_tile(interpreter_results):
+    """Both launch configurations were checked against the reference above: the step's widest tree picks one."""
+    from vllm_treespec.attn.triton_tree import DEFAULT_LAUNCH, WIDE_TREE_LAUNCH, launch_config
+
+    for name in KERNEL_CASES:
+        wide = name in WIDE_LAUNCH_CASES
+        assert interpreter_results[name]["launch"] == list(WIDE_TREE_LAUNCH if wide else DEFAULT_LAUNCH), name
+    assert interpreter_results["wide_launch_fp32_gqa4"]["rows_per_tile"] == 32  # 128 pairs of 4 heads
+    assert interpreter_results["random_fp32_gqa4_flash"]["rows_per_tile"] == 16
+    # Llama-3-8B's 4 query heads per KV head: 32 rows fill a wide tile, 31 do not; one head per KV head needs 128
+    assert launch_config(32, 4) == WIDE_TREE_LAUNCH and launch_config(31, 4) == DEFAULT_LAUNCH
+    assert launch_config(127, 1) == DEFAULT_LAUNCH and launch_config(128, 1) == WIDE_TREE_LAUNCH
 
 
 def test_split_kv_fills_the_device_only_where_the_programs_are_too_few():

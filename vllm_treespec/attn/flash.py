@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.flash_attn import (
 
 from vllm_treespec.attn import plan
 from vllm_treespec.attn.compact import compact_kv, flash_kv_views
-from vllm_treespec.attn.triton_tree import TreeKernelPlan, build_kernel_plan, rows_per_tile_for, tree_attention
+from vllm_treespec.attn.triton_tree import TreeKernelPlan, plan_for_step, tree_attention
 from vllm_treespec.patches import expect_signature
 
 # FlashAttention's own methods that the subclasses below override and call through super().
@@ -45,12 +45,11 @@ def current_kernel_plan(group: int, device: torch.device) -> TreeKernelPlan | No
         return None
     if _step["batch"] is not batch:
         _step["batch"], _step["plans"] = batch, {}
-    rows_per_tile, _ = rows_per_tile_for(group)
-    key = (rows_per_tile, str(device))
+    key = (group, str(device))
     kernel_plan = _step["plans"].get(key)
     if kernel_plan is None:
         started = time.perf_counter()
-        kernel_plan = build_kernel_plan(batch, rows_per_tile, device)
+        kernel_plan = plan_for_step(batch, group, device)
         _step["plans"][key] = kernel_plan
         plan.build_seconds[0] += time.perf_counter() - started
     return kernel_plan

@@ -21,8 +21,8 @@ is first imported.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +32,19 @@ import triton.language as tl
 BITS_PER_WORD = 32
 DEFAULT_TILE_M = 64  # query (row, head) pairs per program
 DEFAULT_BLOCK_N = 64  # keys per inner step
+
+
+class LaunchConfig(NamedTuple):
+    tile_m: int  # query (row, head) pairs per program
+    block_n: int  # keys per inner step
+    num_warps: int
+    num_stages: int
+
+
+#: Measured on an H200 (docs/gpu.md, 36 configurations on 6 shapes): the defaults ranked first over all shapes, but
+#: trees of 64 rows ran 7-25% faster in 128-pair tiles with 128 keys a step and 8 warps; trees of 16 rows lost there
+DEFAULT_LAUNCH = LaunchConfig(DEFAULT_TILE_M, DEFAULT_BLOCK_N, 4, 3)
+WIDE_TREE_LAUNCH = LaunchConfig(128, 128, 8, 3)
 #: split-KV: programs wanted per streaming multiprocessor, fewest context keys a split reads, most splits. Measured on
 #: an H200 (docs/gpu.md): splits of 256 keys of a 512-token context cost more (a second launch) than they saved, and
 #: a grid of at least one program per multiprocessor gained little or lost from splitting
@@ -206,6 +219,7 @@ class TreeKernelPlan:
     tile_first_row: torch.Tensor  # [T] first row of the tile within its request
     rows_per_tile: int
     max_context_len: int = 0  # the longest committed context (host side: split-KV's choice needs it)
+    launch: LaunchConfig = field(default=DEFAULT_LAUNCH)  # block_n, warps and stages of the main kernel
 
     @property
     def num_rows(self) -> int:
@@ -228,9 +242,24 @@ def rows_per_tile_for(group: int, tile_m: int = DEFAULT_TILE_M) -> tuple[int, in
     return block_m // group, block_m
 
 
-def build_kernel_plan(batch: Any, rows_per_tile: int, device: torch.device | str = "cpu") -> TreeKernelPlan:
+def launch_config(widest_rows: int, group: int) -> LaunchConfig:
+    """The main kernel's launch configuration for a step whose widest tree has ``widest_rows`` rows (root included)
+    with ``group`` query heads per KV head: the wide tiles once that tree fills one of them."""
+    return WIDE_TREE_LAUNCH if widest_rows * group >= WIDE_TREE_LAUNCH.tile_m else DEFAULT_LAUNCH
+
+
+def plan_for_step(batch: Any, group: int, device: torch.device | str = "cpu") -> TreeKernelPlan:
+    """:func:`build_kernel_plan` with the tiles and launch configuration :func:`launch_config` picks for ``batch``."""
+    widest = int(np.max(np.diff(np.asarray(batch.node_offsets, np.int64)))) + 1 if len(batch.node_offsets) > 1 else 1
+    launch = launch_config(widest, group)
+    return build_kernel_plan(batch, rows_per_tile_for(group, launch.tile_m)[0], device, launch)
+
+
+def build_kernel_plan(batch: Any, rows_per_tile: int, device: torch.device | str = "cpu",
+                      launch: LaunchConfig = DEFAULT_LAUNCH) -> TreeKernelPlan:
     """Kernel inputs from a step's tree batch (``vllm_treespec.tree.TreeBatch`` or any object with its ``rows``,
-    ``query_start``, ``context_len``, ``node_offsets`` and ``mask [R, W, W]``). Host work is numpy; one copy."""
+    ``query_start``, ``context_len``, ``node_offsets`` and ``mask [R, W, W]``). Host work is numpy; one copy.
+    ``launch`` travels with the plan (its ``tile_m`` should be the one ``rows_per_tile`` came from)."""
     widths = np.diff(np.asarray(batch.node_offsets, np.int64)) + 1  # W_r = 1 + N_r
     num_reqs = widths.size
     row_start = np.cumsum(widths) - widths
@@ -251,7 +280,7 @@ def build_kernel_plan(batch: Any, rows_per_tile: int, device: torch.device | str
                           request_context_len=parts[2], request_block_row=parts[3], request_row_start=parts[4],
                           request_num_rows=parts[5], tile_request=parts[6], tile_first_row=parts[7],
                           rows_per_tile=rows_per_tile,
-                          max_context_len=int(np.max(batch.context_len)) if num_reqs else 0)
+                          max_context_len=int(np.max(batch.context_len)) if num_reqs else 0, launch=launch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,7 +300,7 @@ def choose_num_splits(num_programs: int, max_context_len: int, multiprocessors: 
 
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                    plan: TreeKernelPlan, scale: float, output: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None, block_n: int = DEFAULT_BLOCK_N, num_splits: int | None = None,
+                   lse: torch.Tensor | None = None, block_n: int | None = None, num_splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the tree rows' attention into ``output`` (same shape as ``query``; a zero tensor if None).
@@ -279,7 +308,7 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     query / output ``[num_tokens, num_heads, head_dim]``; key_cache / value_cache logical views
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); block_table ``[batch_rows, max_blocks]``.
     num_splits: splits of the committed context (None: :func:`choose_num_splits` on CUDA, 1 elsewhere).
-    num_warps / num_stages: the main kernel's launch options (None: Triton's defaults).
+    block_n / num_warps / num_stages: the main kernel's launch options (None: the plan's ``launch``).
     Returns (output, lse ``[plan.num_rows, num_heads]`` fp32, natural log). Rows not in the plan are not touched.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -292,6 +321,9 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     if plan.num_rows == 0:
         return output, lse
     block_m = max(16, triton.next_power_of_2(plan.rows_per_tile * group))
+    block_n = plan.launch.block_n if block_n is None else block_n
+    num_warps = plan.launch.num_warps if num_warps is None else num_warps
+    num_stages = plan.launch.num_stages if num_stages is None else num_stages
     on_cpu = query.device.type == "cpu"
     # Triton's interpreter computes bf16/fp16 dots wrongly: upcast there. fp32 dots must not round through TF32.
     upcast = on_cpu or query.dtype == torch.float32
@@ -319,7 +351,7 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         *_strides(partial_out, 4), *_strides(partial_lse, 3),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, ROWS_PER_TILE=plan.rows_per_tile,
         BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast, IEEE_DOT=upcast, SPLIT=split,
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _merge_splits_kernel[(plan.num_rows, num_heads)](
