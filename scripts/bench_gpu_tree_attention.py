@@ -6,8 +6,8 @@ Standalone: torch + triton + numpy, no vLLM (the GPU machine has none); it impor
 
 - tree:  the Triton kernel over the paged cache with random trees (ancestor bitmasks), launched as an engine does
          (``plan_for_step``: tiles and launch configuration by the widest tree, the context split over as many
-         programs as ``choose_num_splits`` picks for the GPU), again with the default launch configuration, and
-         again with one split (no split-KV);
+         programs as ``choose_num_splits`` picks for the GPU), again with the launch configuration it did not pick
+         (default or wide), and again with one split (no split-KV);
 - chain: the same kernel with chain masks (row j sees rows 0..j);
 - sdpa:  torch ``scaled_dot_product_attention``, causal aligned bottom-right, over a contiguous (not paged) KV of
          the same bytes: what FlashAttention costs for a chain of the same length.
@@ -167,7 +167,7 @@ def sdpa_chain(query_bhwd, keys, values, rows):
 def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim, block_size, dtype, iters) -> None:
     print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (interpreter)'}, {dtype}, "
           f"{heads} query / {kv_heads} KV heads, head_dim {head_dim}, block {block_size}; µs per layer (median)")
-    print("| requests | context | rows | splits | launch (tile_m/block_n/warps/stages) | tree µs | tree, default "
+    print("| requests | context | rows | splits | launch (tile_m/block_n/warps/stages) | tree µs | tree, other "
           "launch µs | tree, 1 split µs | chain-mask µs | sdpa causal µs | sdpa kernel | tree / sdpa | plan build µs "
           "(host) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -183,12 +183,16 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                 query = torch.randn(num_reqs * rows, heads, head_dim, generator=generator, device=device).to(dtype)
                 group = heads // kv_heads
                 timings = []
-                # tree (as an engine launches it), tree with the default launch, tree unsplit, chain masks
-                for chain, splits, default_launch in ((False, None, False), (False, None, True), (False, 1, False),
-                                                      (True, None, False)):
+                # tree (as an engine launches it), tree with the launch configuration not chosen (default or wide),
+                # tree unsplit, chain masks
+                for chain, splits, other_launch in ((False, None, False), (False, None, True), (False, 1, False),
+                                                    (True, None, False)):
                     batch = make_batch(rng, num_reqs, context, rows, chain)
-                    plan = (tt.build_kernel_plan(batch, tt.rows_per_tile_for(group)[0], device) if default_launch
-                            else tt.plan_for_step(batch, group, device))
+                    plan = tt.plan_for_step(batch, group, device)
+                    if other_launch:
+                        other = tt.WIDE_TREE_LAUNCH if plan.launch == tt.DEFAULT_LAUNCH else tt.DEFAULT_LAUNCH
+                        plan = tt.build_kernel_plan(batch, tt.rows_per_tile_for(group, other.tile_m)[0], device,
+                                                    other)
                     output = torch.empty_like(query)
                     timings.append(timed_us(lambda: tt.tree_attention(query, key_cache, value_cache, table, plan,
                                                                       scale, output=output, num_splits=splits),

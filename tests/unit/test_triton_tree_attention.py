@@ -40,11 +40,11 @@ KERNEL_CASES = {
                                                               (0, 4, "chain")]),
     "split3_fp32_two_words": ("float32", "flash", 1, 1, 16, 16, [(130, 70, "random")]),
     "split7_fp16_gqa8_flash": ("float16", "flash", 8, 1, 32, 16, [(150, 20, "random"), (64, 1, "random")]),
-    # a tree of 41 rows x 4 heads fills the wide launch's 128-pair tiles: two tiles of its request, two words
-    "wide_launch_fp32_gqa4": ("float32", "flash", 4, 2, 32, 16, [(90, 40, "random"), (5, 3, "chain")]),
+    # a tree of 50 rows x 4 heads after 8,200 tokens: the wide launch (two 32-row tiles of its request, two words)
+    "wide_launch_fp32_gqa4": ("float32", "flash", 4, 1, 32, 16, [(8200, 49, "random"), (5, 3, "chain")]),
 }
-#: cases whose widest tree fills a wide tile (rows x group >= 128): plan_for_step launches them wide, the rest default
-WIDE_LAUNCH_CASES = {"random_fp32_gqa8_nhd", "split7_fp16_gqa8_flash", "wide_launch_fp32_gqa4"}
+#: cases with a tree of >= 192 (row, head) pairs and a context of >= 8192: plan_for_step launches them wide
+WIDE_LAUNCH_CASES = {"wide_launch_fp32_gqa4"}
 #: cases run with the context split over this many programs (the rest: one, as on CPU by default)
 SPLITS = {"split4_fp32_gqa4_nhd": 4, "split3_fp32_two_words": 3, "split7_fp16_gqa8_flash": 7}
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -231,10 +231,11 @@ def test_launch_goes_wide_only_for_trees_that_fill_a_wide_tile(interpreter_resul
         wide = name in WIDE_LAUNCH_CASES
         assert interpreter_results[name]["launch"] == list(WIDE_TREE_LAUNCH if wide else DEFAULT_LAUNCH), name
     assert interpreter_results["wide_launch_fp32_gqa4"]["rows_per_tile"] == 32  # 128 pairs of 4 heads
-    assert interpreter_results["random_fp32_gqa4_flash"]["rows_per_tile"] == 16
-    # Llama-3-8B's 4 query heads per KV head: 32 rows fill a wide tile, 31 do not; one head per KV head needs 128
-    assert launch_config(32, 4) == WIDE_TREE_LAUNCH and launch_config(31, 4) == DEFAULT_LAUNCH
-    assert launch_config(127, 1) == DEFAULT_LAUNCH and launch_config(128, 1) == WIDE_TREE_LAUNCH
+    assert interpreter_results["random_fp32_gqa8_nhd"]["rows_per_tile"] == 8  # 18 rows of 8 heads, short contexts
+    # Llama-3-8B's 4 query heads per KV head: 48 rows over 8k tokens go wide; 47 rows, or a 8,191-token context, not
+    assert launch_config(48, 4, 8192) == WIDE_TREE_LAUNCH
+    assert launch_config(47, 4, 8192) == DEFAULT_LAUNCH and launch_config(48, 4, 8191) == DEFAULT_LAUNCH
+    assert launch_config(191, 1, 1 << 20) == DEFAULT_LAUNCH and launch_config(192, 1, 8192) == WIDE_TREE_LAUNCH
 
 
 def test_split_kv_fills_the_device_only_where_the_programs_are_too_few():

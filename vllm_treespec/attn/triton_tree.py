@@ -41,10 +41,13 @@ class LaunchConfig(NamedTuple):
     num_stages: int
 
 
-#: Measured on an H200 (docs/gpu.md, 36 configurations on 6 shapes): the defaults ranked first over all shapes, but
-#: trees of 64 rows ran 7-25% faster in 128-pair tiles with 128 keys a step and 8 warps; trees of 16 rows lost there
+#: Measured on an H200 (docs/gpu.md): over 6 shapes the defaults ranked first of 36 configurations, but trees of 64
+#: rows at 32k context ran 7-25% faster in 128-pair tiles with 128 keys a step and 8 warps; on 24 other shapes those
+#: launches won at 16k context with trees of 48 rows or more and lost up to 1.6x at 2k context or 32 rows
 DEFAULT_LAUNCH = LaunchConfig(DEFAULT_TILE_M, DEFAULT_BLOCK_N, 4, 3)
 WIDE_TREE_LAUNCH = LaunchConfig(128, 128, 8, 3)
+WIDE_TREE_MIN_PAIRS = 192  # (tree row, query head) pairs of the widest tree per KV head: 48 rows of 4 heads
+WIDE_TREE_MIN_CONTEXT = 8192  # committed tokens of the longest context
 #: split-KV: programs wanted per streaming multiprocessor, fewest context keys a split reads, most splits. Measured on
 #: an H200 (docs/gpu.md): splits of 256 keys of a 512-token context cost more (a second launch) than they saved, and
 #: a grid of at least one program per multiprocessor gained little or lost from splitting
@@ -242,16 +245,19 @@ def rows_per_tile_for(group: int, tile_m: int = DEFAULT_TILE_M) -> tuple[int, in
     return block_m // group, block_m
 
 
-def launch_config(widest_rows: int, group: int) -> LaunchConfig:
+def launch_config(widest_rows: int, group: int, max_context_len: int) -> LaunchConfig:
     """The main kernel's launch configuration for a step whose widest tree has ``widest_rows`` rows (root included)
-    with ``group`` query heads per KV head: the wide tiles once that tree fills one of them."""
-    return WIDE_TREE_LAUNCH if widest_rows * group >= WIDE_TREE_LAUNCH.tile_m else DEFAULT_LAUNCH
+    with ``group`` query heads per KV head and whose longest committed context is ``max_context_len``: wide tiles
+    only for wide trees over long contexts, where each tile's pass over the context dominates."""
+    wide = widest_rows * group >= WIDE_TREE_MIN_PAIRS and max_context_len >= WIDE_TREE_MIN_CONTEXT
+    return WIDE_TREE_LAUNCH if wide else DEFAULT_LAUNCH
 
 
 def plan_for_step(batch: Any, group: int, device: torch.device | str = "cpu") -> TreeKernelPlan:
     """:func:`build_kernel_plan` with the tiles and launch configuration :func:`launch_config` picks for ``batch``."""
     widest = int(np.max(np.diff(np.asarray(batch.node_offsets, np.int64)))) + 1 if len(batch.node_offsets) > 1 else 1
-    launch = launch_config(widest, group)
+    longest = int(np.max(batch.context_len)) if len(batch.context_len) else 0
+    launch = launch_config(widest, group, longest)
     return build_kernel_plan(batch, rows_per_tile_for(group, launch.tile_m)[0], device, launch)
 
 
