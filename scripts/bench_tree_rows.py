@@ -463,6 +463,9 @@ def main() -> None:
                         help="also count runs whose every step verifies K drafts the target never accepts, as "
                              "vLLM's chain and as our tree: what a step's shape alone does to bf16 outputs")
     args = parser.parse_args()
+    if min(args.nodes) < 2:
+        parser.error("--nodes: every k must be at least 2 (the engine section draws trees that are not chains, and a "
+                     "tree of one node is one)")
     import torch
 
     if not args.skip_fidelity or not args.skip_kernel or args.gemm_rows:
