@@ -455,6 +455,9 @@ def test_questions_longer_than_the_context_are_refused_before_any_engine_starts(
     bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=16, output_tokens=4)
     with pytest.raises(BenchError, match=r"do not fit --max-model-len 15 with 4 output tokens: sharegpt 'b'"):
         bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=15, output_tokens=4)
+    questions["sharegpt"][1]["position"] = "sharegpt[7766]"  # a sliced set's question names its place in the set
+    with pytest.raises(BenchError, match=r"sharegpt 'b' at sharegpt\[7766\] \(12 tokens\)"):
+        bench.check_prompt_lengths(WordTokenizer(), questions, max_model_len=12)
 
 
 def test_bench_serve_refuses_prompts_that_leave_no_room_for_max_tokens(tmp_path, monkeypatch, capsys):

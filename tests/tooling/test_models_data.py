@@ -353,11 +353,16 @@ def test_load_prompt_set(tmp_path):
 
 
 def test_load_prompt_set_slices():
-    """``NAME[START:STOP]`` picks the prompts one did not tune on: a slice of the set (of ShareGPT's shuffle)."""
-    assert data.load_prompt_set("humaneval[160:]") == data.human_eval()[160:]
-    assert data.load_prompt_set("mt_bench[:3]") == data.mt_bench()[:3]
-    assert data.load_prompt_set("sharegpt[4:7]", seed=7) == data.sharegpt(7, seed=7)[4:]
-    assert data.load_prompt_set("humaneval[10:20]", limit=2) == data.human_eval()[10:12]
+    """``NAME[START:STOP]`` picks the prompts one did not tune on: a slice of the set (of ShareGPT's shuffle); each
+    question says where it sits in the unsliced set, as the user would slice it."""
+    def positioned(questions, name, start):
+        return [{**q, "position": f"{name}[{start + i}]"} for i, q in enumerate(questions)]
+
+    assert data.load_prompt_set("humaneval[160:]") == positioned(data.human_eval()[160:], "humaneval", 160)
+    assert data.load_prompt_set("mt_bench[:3]") == positioned(data.mt_bench()[:3], "mt_bench", 0)
+    assert data.load_prompt_set("sharegpt[4:7]", seed=7) == positioned(data.sharegpt(7, seed=7)[4:], "sharegpt", 4)
+    assert data.load_prompt_set("humaneval[10:20]", limit=2) == positioned(data.human_eval()[10:12], "humaneval", 10)
+    assert "position" not in data.load_prompt_set("mt_bench")[0]
     with pytest.raises(ValueError, match=r"the slice \[5:5\] is empty"):
         data.load_prompt_set("humaneval[5:5]")
     with pytest.raises(ValueError, match="selects no questions"):

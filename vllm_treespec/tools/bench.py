@@ -269,7 +269,8 @@ def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_
                                                  add_generation_prompt=True)
             tokens = len(tokenizer(text).input_ids)
             if tokens + output_tokens > max_model_len:
-                too_long.append(f"{category} {question['question_id']!r} ({tokens} tokens)")
+                where = f" at {question['position']}" if "position" in question else ""
+                too_long.append(f"{category} {question['question_id']!r}{where} ({tokens} tokens)")
     if too_long:
         outputs = "one output token" if output_tokens == 1 else f"{output_tokens} output tokens"
         raise BenchError(f"--prompts: {len(too_long)} question(s) do not fit --max-model-len {max_model_len} with "

@@ -186,6 +186,8 @@ def load_prompt_set(name: str, limit: int | None = None, seed: int | None = 0) -
                              "START < STOP")
         questions = load_prompt_set(sliced.group("name"), limit=stop if sliced.group("name") == "sharegpt" else None,
                                     seed=seed)[start:stop]
+        # where each question sits in the unsliced set, so that an error can name it as the user would slice it
+        questions = [{**q, "position": f"{sliced.group('name')}[{(start or 0) + i}]"} for i, q in enumerate(questions)]
         if not questions:
             raise ValueError(f"prompt set {name!r} selects no questions (the set has fewer than {start or 0})")
         return questions if limit is None else questions[:limit]
