@@ -343,6 +343,9 @@ def test_bench_reports_the_share_of_steps_that_verified_drafts():
     graft.budget[0]["own_plain"] = {"ratio": 1.234, "steps": 190, "verifying_steps": 50, "plain_steps": 140}
     graft.budget[1]["own_plain"] = None
     assert "decode steps against the engine's own plain steps 1.23x" in bench.budget_lines([graft])
+    assert "expected / committed" not in bench.budget_lines([graft])
+    graft.budget[0]["expected_vs_realized"] = {"ratio": 1.047, "steps": 50}
+    assert "their expected / committed tokens 1.05; decode steps" in bench.budget_lines([graft])
     assert bench.budget_lines([none]) == ""
 
 

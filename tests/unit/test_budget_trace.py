@@ -121,6 +121,18 @@ def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):
     assert trace.summarize(read, 1.5, 3.5)["steps"] == 1
     assert trace.summarize(read, 10.0) == {"steps": 0}
     assert whole["prediction_error"] is None  # no step has a prediction and a time
+    assert whole["expected_vs_realized"] is None  # no verifying step says what it expected
+
+
+def test_summaries_weigh_what_verifying_steps_expected_against_what_they_committed():
+    """Expected tokens (plain decoding's one per request included) against one per request plus accepted drafts,
+    over the steps that verified drafts only, as a ratio of sums."""
+    lines = [{"t": 1.0, "reqs": 2, "tokens": 10, "gate": "draft", "admitted": 8, "expected": 4.5, "accepted": 3},
+             {"t": 2.0, "reqs": 1, "tokens": 3, "gate": "draft", "admitted": 2, "expected": 2.0, "accepted": 0},
+             {"t": 3.0, "reqs": 2, "tokens": 2, "gate": "plain", "expected": 2.0, "accepted": 0},  # verified none
+             {"t": 4.0, "reqs": 1, "tokens": 5, "gate": "probe", "admitted": 4, "accepted": 1}]  # no expectation
+    honest = trace.summarize(lines)["expected_vs_realized"]
+    assert honest["steps"] == 2 and honest["ratio"] == pytest.approx((4.5 + 2.0) / ((2 + 3) + (1 + 0)))
 
 
 def test_summaries_say_how_far_the_model_predicted_the_steps():

@@ -172,7 +172,19 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "prediction_error": prediction_error(steps),
         "unpriced_before_drafts_ms": unpriced_before_drafts(steps),
         "own_plain": against_own_plain_steps(steps),
+        "expected_vs_realized": expected_vs_realized(steps),
     }
+
+
+def expected_vs_realized(steps: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Whether the calibrated acceptance the allocator spent was honest: over the steps that verified drafts, the
+    tokens the allocation expected them to commit (plain decoding's one per request included) against those they
+    committed (one per request plus the accepted drafts), as a ratio of sums; None without such steps."""
+    counted = [s for s in steps if s.get("admitted", 0) > 0 and "expected" in s and "accepted" in s]
+    realized = sum(s["reqs"] + s["accepted"] for s in counted)
+    if not realized:
+        return None
+    return {"ratio": sum(s["expected"] for s in counted) / realized, "steps": len(counted)}
 
 
 #: gaps between step starts longer than this are idle time (no request in flight), not a step's work
