@@ -248,7 +248,8 @@ def rows_per_tile_for(group: int, tile_m: int = DEFAULT_TILE_M) -> tuple[int, in
 def launch_config(widest_rows: int, group: int, max_context_len: int) -> LaunchConfig:
     """The main kernel's launch configuration for a step whose widest tree has ``widest_rows`` rows (root included)
     with ``group`` query heads per KV head and whose longest committed context is ``max_context_len``: wide tiles
-    only for wide trees over long contexts, where each tile's pass over the context dominates."""
+    only for wide trees over long contexts, where each tile's pass over the context dominates. Measured in bf16, the
+    dtypes FLASH_ATTN serves (fp16/bf16): fp32 tiles that wide may not fit a multiprocessor's shared memory."""
     wide = widest_rows * group >= WIDE_TREE_MIN_PAIRS and max_context_len >= WIDE_TREE_MIN_CONTEXT
     return WIDE_TREE_LAUNCH if wide else DEFAULT_LAUNCH
 
