@@ -1,7 +1,7 @@
 """Tree attention kernel on a GPU: correctness in bf16/fp16 against float64, then speed per layer.
 
 Standalone: torch + triton + numpy, no vLLM (the GPU machine has none); it imports only
-``vllm_treespec.attn.triton_tree`` from this checkout. Three timings per shape, at equal tokens per request
+``vllm_treespec.attn.triton_tree`` from this checkout. Timings per shape, at equal tokens per request
 (``rows`` query rows over ``context + rows`` keys, Llama-3-8B heads: 32 query / 8 KV heads, head_dim 128):
 
 - tree:  the Triton kernel over the paged cache with random trees (ancestor bitmasks), launched as an engine does
@@ -205,8 +205,8 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                 timings.append(timed_us(sdpa_call, device, iters))
                 batch = make_batch(rng, num_reqs, context, rows, False)
                 plan_us = timed_us(lambda: tt.plan_for_step(batch, group, device), torch.device("cpu"), iters)
-                launch = "/".join(map(str, plan.launch))
-                print(f"| {num_reqs} | {context} | {rows} | {chosen} | {launch} | {timings[0]:.1f} | "
+                launch_label = "/".join(map(str, plan.launch))
+                print(f"| {num_reqs} | {context} | {rows} | {chosen} | {launch_label} | {timings[0]:.1f} | "
                       f"{timings[1]:.1f} | {timings[2]:.1f} | {timings[3]:.1f} | {timings[4]:.1f} | {sdpa_label} | "
                       f"{timings[0] / timings[4]:.2f} | {plan_us:.1f} |")
                 del keys, values, key_cache, value_cache
@@ -277,7 +277,7 @@ def tune(tt, device, heads, kv_heads, head_dim, block_size, dtype, iters, jobs: 
         print(f"compiled {len(configs)} configurations x {len(TUNE_SHAPES)} shapes in {jobs} processes: "
               f"{time.perf_counter() - started:.0f} s", flush=True)
     global DEFAULTS
-    DEFAULTS = (tt.DEFAULT_TILE_M, tt.DEFAULT_BLOCK_N, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
+    DEFAULTS = tuple(tt.DEFAULT_LAUNCH)
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     for num_reqs, context, rows in TUNE_SHAPES:
         inputs = tune_inputs(tt, device, (num_reqs, context, rows), heads, kv_heads, head_dim, block_size, dtype)
