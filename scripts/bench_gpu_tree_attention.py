@@ -191,8 +191,7 @@ def sweep(tt, device, requests, contexts, row_counts, heads, kv_heads, head_dim,
                     plan = tt.plan_for_step(batch, group, device)
                     if other_launch:
                         other = tt.WIDE_TREE_LAUNCH if plan.launch == tt.DEFAULT_LAUNCH else tt.DEFAULT_LAUNCH
-                        plan = tt.build_kernel_plan(batch, tt.rows_per_tile_for(group, other.tile_m)[0], device,
-                                                    other)
+                        plan = tt.plan_for_launch(batch, group, other, device)
                     output = torch.empty_like(query)
                     timings.append(timed_us(lambda: tt.tree_attention(query, key_cache, value_cache, table, plan,
                                                                       scale, output=output, num_splits=splits),
@@ -235,11 +234,9 @@ def tune_inputs(tt, device, shape, heads, kv_heads, head_dim, block_size, dtype)
 
 def launch(tt, inputs, config, heads, kv_heads, head_dim, device):
     """The kernel on one shape's inputs with one launch configuration (tile rows, keys per step, warps, stages)."""
-    tile_m, block_n, warps, stages = config
-    plan = tt.build_kernel_plan(inputs.batch, tt.rows_per_tile_for(heads // kv_heads, tile_m)[0], device)
+    plan = tt.plan_for_launch(inputs.batch, heads // kv_heads, tt.LaunchConfig(*config), device)
     return lambda: tt.tree_attention(inputs.query, inputs.key_cache, inputs.value_cache, inputs.table, plan,
-                                     head_dim ** -0.5, output=inputs.output, block_n=block_n, num_warps=warps,
-                                     num_stages=stages)
+                                     head_dim ** -0.5, output=inputs.output)
 
 
 def compile_configs(configs, shapes, heads, kv_heads, head_dim, block_size, dtype_name) -> None:

@@ -258,7 +258,12 @@ def plan_for_step(batch: Any, group: int, device: torch.device | str = "cpu") ->
     """:func:`build_kernel_plan` with the tiles and launch configuration :func:`launch_config` picks for ``batch``."""
     widest = int(np.max(np.diff(np.asarray(batch.node_offsets, np.int64)))) + 1 if len(batch.node_offsets) > 1 else 1
     longest = int(np.max(batch.context_len)) if len(batch.context_len) else 0
-    launch = launch_config(widest, group, longest)
+    return plan_for_launch(batch, group, launch_config(widest, group, longest), device)
+
+
+def plan_for_launch(batch: Any, group: int, launch: LaunchConfig, device: torch.device | str = "cpu"
+                    ) -> TreeKernelPlan:
+    """:func:`build_kernel_plan` in ``launch``'s tiles (``group`` query heads per KV head), carrying ``launch``."""
     return build_kernel_plan(batch, rows_per_tile_for(group, launch.tile_m)[0], device, launch)
 
 
