@@ -139,7 +139,8 @@ class GraftProposer(TreeProposer):
         beat its measured cost (its call, and its catch-up on the rows of the steps it did not draft), both against
         plain decoding and against the retrieval-only trees graft drafts without it (a head that adds little to a
         confident match only costs), and on every probe of the verifier's gate whose allowance covers that catch-up
-        (``model_draft_max_batch``, if given, still caps the batch); else up to ``model_draft_max_batch`` requests.
+        and its call (``model_draft_max_batch``, if given, still caps the batch); else up to
+        ``model_draft_max_batch`` requests.
         What the retrieval-only trees are worth is learnt on the head's own steps (:meth:`retrieval_alternatives`):
         a step drafted without the head only to measure them would also teach the verifier's gate, which prices
         whatever graft proposes, that graft's trees are worth less than the head's, and a fresh engine's gate then
@@ -159,8 +160,11 @@ class GraftProposer(TreeProposer):
         backlog = self.drafter.backlog_seconds([ctx.req_ids[i] for i in rows])
         if ctx.probing:
             # the verifier's probe must measure the trees graft would draft once drafting pays, but not at a
-            # catch-up many times what the skipped steps set aside for it (at 16 requests in bf16, up to 160 ms a probe)
-            return ctx.probe_seconds is None or backlog <= ctx.probe_seconds
+            # catch-up and call many times what the skipped steps set aside for it (at 16 requests in bf16, up to
+            # 160 ms of catch-up; the head's call for 8 requests of a 14-request bf16 probe took 33 ms beside an
+            # allowance of ~37 ms)
+            head_call = self.head_cost.predict(num_drafting) or 0.0
+            return ctx.probe_seconds is None or backlog + head_call <= ctx.probe_seconds
         excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[rows]))
         # the head's trees must beat the retrieval-only ones too (unknown until a head step has priced them). A
         # step they lose is a skipped step of the head's gate: its probes keep what the head's trees are worth

@@ -448,9 +448,10 @@ def test_a_catch_up_is_priced_with_the_call_and_paid_out_of_a_probes_allowance()
                 return step
         return None
 
-    # 1% of a 60 ms plain step is set aside per skipped step: a node's 6 ms after 10 steps, 36 ms after 60
-    assert 9 <= first_probe(0.0) <= 11
-    assert 59 <= first_probe(0.030) <= 61
+    # 1% of a 60 ms plain step is set aside per skipped step: a node's 6 ms and the call's 3 ms after 15 steps,
+    # with a 30 ms catch-up after 65
+    assert 14 <= first_probe(0.0) <= 16
+    assert 64 <= first_probe(0.030) <= 66
 
 
 def test_the_gate_prices_trees_at_the_verifiers_expectation_correction():
@@ -488,12 +489,13 @@ def test_what_an_allocation_saved_is_measured_from_what_the_target_accepted():
 
 def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():
     """Where drafting does not pay, a probe may add to its step no more than ``probe_share`` of the predicted time of
-    the steps skipped since the last probe; it waits past its schedule until that pays for one node, then explores:
-    it verifies as many nodes as the allowance pays for, best first, whether they pay at their prices or not."""
+    the steps skipped since the last probe, the drafter's call included; it waits past its schedule until that pays
+    for the call and one node, then explores: it verifies as many nodes as the rest of the allowance pays for, best
+    first, whether they pay at their prices or not."""
 
     class Drafter:
         def predict(self, x):
-            return 0.012  # the drafter's call is not counted against the allowance
+            return 0.012 * x  # the drafter's call, per request it drafts for: paid out of the allowance
 
     trees = [star([0.5, 0.4, 0.3, 0.2])]  # on MIDDLE (6 ms a node over a 60 ms step) 0.5 alone would pay
     gate = DraftGate(MIDDLE, Drafter(), probe_every=4, probe_share=0.01)
@@ -501,9 +503,10 @@ def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():
     skipped = 0
     while not gate.should_draft(1):
         skipped += 1
-    # due after 4 skipped steps, the probe waited until 1% of the skipped steps' 60 ms paid for a 6 ms node
-    assert skipped == 10 and gate.probing and gate.allowance == 0.0
-    assert gate.probe_seconds == pytest.approx(10 * 0.01 * 0.060)
+    # due after 4 skipped steps, the probe waited until 1% of the skipped steps' 60 ms paid for a 6 ms node and
+    # the 12 ms call; what is left of the allowance verifies
+    assert skipped == 30 and gate.probing and gate.allowance == 0.0 and gate.probe_requests == 1
+    assert gate.probe_seconds == pytest.approx(30 * 0.01 * 0.060 - 0.012)
     assert allocate(trees, MIDDLE, max_extra_seconds=gate.probe_seconds, explore=True).total_nodes == 1
     # exploring: the allowance's nodes, best first, paying or not (a 0.05 node does not pay for 6 ms)
     assert allocate([star([0.05, 0.04])], MIDDLE, max_extra_seconds=0.013).total_nodes == 0
@@ -514,21 +517,27 @@ def test_a_probe_verifies_at_most_its_share_of_the_skipped_steps():
     skipped = 0
     while not gate.should_draft(1):
         skipped += 1
-    assert skipped == 10 and gate.interval == 8
+    assert skipped == 30 and gate.interval == 8
     for _ in range(2):  # 16, 32
         while not gate.should_draft(1):
             pass
     skipped = 0
     while not gate.should_draft(1):
         skipped += 1
-    assert skipped == gate.interval == 64 and gate.probe_seconds == pytest.approx(64 * 0.01 * 0.060)
-    # where one node costs a whole 60 ms step (STEEP) the first probe comes after 100 skipped steps
+    assert skipped == gate.interval == 64 and gate.probe_seconds == pytest.approx(64 * 0.01 * 0.060 - 0.012)
+    # at 4 requests the same 38.4 ms pays for two requests' calls and nodes (36 ms), not three (54 ms)
+    busy = DraftGate(MIDDLE, Drafter(), probe_every=4, probe_share=0.01)
+    busy.record([star([0.05])])
+    busy.allowance, busy.skipped = 0.0384, 64
+    assert busy.should_draft(4) and busy.probe_requests == 2
+    assert busy.probe_seconds == pytest.approx(0.0384 - 0.024)
+    # where one node costs a whole 60 ms step (STEEP) the first probe comes after 120 skipped steps (with its call)
     steep = DraftGate(STEEP, Drafter(), probe_every=4, probe_share=0.01)
     steep.record([star([0.05])])
     skipped = 0
     while not steep.should_draft(1):
         skipped += 1
-    assert skipped == 100 and allocate(trees, STEEP, max_extra_seconds=steep.probe_seconds, explore=True
+    assert skipped == 120 and allocate(trees, STEEP, max_extra_seconds=steep.probe_seconds, explore=True
                                        ).total_nodes == 1
     # drafting that pays needs no probe and is not capped
     flat = DraftGate(FLAT, Drafter(), probe_share=0.01)

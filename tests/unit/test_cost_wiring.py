@@ -467,3 +467,35 @@ def test_a_never_drafting_verifier_only_observes(monkeypatch):
     monkeypatch.delenv(NEVER_DRAFT_ENV)
     drafting = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
     assert drafting.propose([[9], [3], [6]])[0]  # the same verifier without it drafts
+
+
+def test_a_drafters_call_beyond_the_requests_it_was_timed_at_is_priced_per_request():
+    """A drafter timed only for one request is not priced at that for sixteen: beyond the largest timed bucket the
+    call costs that bucket's seconds per request (graft's calls for 1 request took 2.5 ms and for 16 took 31 ms; a
+    flat estimate let the gate draft at 16 requests on a call it priced at 2.5 ms). Between timed buckets the
+    estimate interpolates, below the smallest it is the smallest's; a gate then sees drafting at 16 as dear."""
+    from vllm_treespec.cost.allocate import DraftGate
+    from vllm_treespec.cost.online import CallCost
+
+    calls = CallCost(warmup=0)
+    assert calls.predict(4) is None
+    calls.observe(1, 0.0025)
+    assert calls.predict(1) == pytest.approx(0.0025) and calls.predict(16) == pytest.approx(0.040)
+    calls.observe(4, 0.008)
+    assert calls.predict(1) == pytest.approx(0.0025) and calls.predict(2) == pytest.approx((0.0025 + 0.008) / 2)
+    assert calls.predict(4) == pytest.approx(0.008) and calls.predict(16) == pytest.approx(0.032)
+
+    # 16 requests, a 100 ms plain step and 0.5 ms a node: trees of 0.3 a request pay for a 2.5 ms call, not 40 ms
+    tokens = np.arange(1, 80)
+    cost = StepCostModel(PiecewiseLinear(tokens, 0.1 + 0.0005 * np.maximum(tokens - 16, 0)))
+    tree = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.3], np.float32))
+    flat, per_request = CallCost(warmup=0), CallCost(warmup=0)
+    flat.observe(1, 0.0025)
+    flat.buckets[4] = 0.0025  # as the flat estimate had it at 16
+    per_request.observe(1, 0.0025)
+    drafters = []
+    for timed in (flat, per_request):
+        gate = DraftGate(cost, SimpleNamespace(predict=timed.predict))
+        gate.record([tree] * 16)
+        drafters.append(gate.should_draft(16))
+    assert drafters == [True, False]

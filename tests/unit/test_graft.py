@@ -654,8 +654,9 @@ def test_a_heads_catch_up_on_rows_of_steps_without_drafts_is_priced_by_neither_g
 
 def test_the_heads_catch_up_is_priced_before_it_drafts_and_a_probe_drafts_with_it_only_if_its_allowance_covers_it():
     """The head's writes of the rows steps without drafts left it (``backlog_seconds``) are priced with its call by
-    its gate, and on the verifier's probe it drafts only if the probe's allowance (``ctx.probe_seconds``) covers them:
-    the probe then measures the retrieval-only trees instead of costing many times what was set aside for it."""
+    its gate, and on the verifier's probe it drafts only if the probe's allowance (``ctx.probe_seconds``) covers them
+    and its measured call: the probe then measures the retrieval-only trees instead of costing many times what was
+    set aside for it."""
 
     class BackloggedDrafter(ScriptedDrafter):
         backlog = 0.0
@@ -685,7 +686,10 @@ def test_the_heads_catch_up_is_priced_before_it_drafts_and_a_probe_drafts_with_i
     assert step() == 3 and p.stats.retrieval_only_steps == 1
     assert step(probe_seconds=0.2, probing=True) == 3 and p.stats.retrieval_only_steps == 2
     assert step(probe_seconds=1.5, probing=True) == 4  # the allowance pays for both requests' rows
-    assert step(probe_seconds=None, probing=True) == 5  # an uncapped probe (nothing known yet) drafts in full
+    p.head_cost.buckets = {1: 0.6}  # a call as dear as the rows: 1.6 s in all
+    assert step(probe_seconds=1.5, probing=True) == 4 and p.stats.retrieval_only_steps == 3
+    assert step(probe_seconds=1.7, probing=True) == 5
+    assert step(probe_seconds=None, probing=True) == 6  # an uncapped probe (nothing known yet) drafts in full
 
 
 def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():

@@ -295,11 +295,13 @@ class DraftGate:
     (``probe_seconds``, for :func:`allocate`'s ``max_extra_seconds`` and ``explore``): prices only change with
     verified nodes. Where a verified token costs most of a step (bf16 on an AVX2 CPU) a probe of 16 nodes would cost
     ten plain steps; there a probe verifies a node or two, while on a flat curve (GPUs) it verifies whole trees. A
-    probe waits, past its schedule, until the allowance pays for one node: one that can verify none only costs the
-    drafter's call. That call is not counted against the allowance (the back-off keeps its share small), but it is
-    asked for only as many requests as the allowance verifies nodes (``probe_requests``): the allocation admits no
-    more nodes than that, and an EAGLE head's call for every request of a 16-request CPU step cost about two plain
-    steps per probe.
+    probe waits, past its schedule, until the allowance pays for one node and the drafter's measured call for that
+    node's request. The drafter is asked for only as many requests as the allowance pays nodes and calls for
+    (``probe_requests``): the allocation admits no more nodes than that, and an EAGLE head's call for every request
+    of a 16-request CPU step cost about two plain steps per probe. What the call is predicted to take is not left
+    for verification (``probe_seconds`` is the rest): uncounted, graft's calls for the 5-8 requests of a probe at
+    14-16 bf16 requests took 10-18 ms beside an allowance of 20-40 ms, and its probes there cost 1.5% of the
+    decode time.
     Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
@@ -468,11 +470,11 @@ class DraftGate:
             self.interval = self.probe_every
             return True
         if self.skipped >= self.interval:
-            affordable = self._affordable_nodes(num_reqs, base_tokens, row_excess, limit=num_reqs,
-                                                per_request=extra_seconds / num_reqs)
+            affordable, call = self._affordable_nodes(num_reqs, base_tokens, row_excess, limit=num_reqs,
+                                                      per_request=extra_seconds / num_reqs)
             if affordable:
                 allowance, self.allowance = self.allowance, 0.0
-                return self._probe(allowance, requests=affordable)
+                return self._probe(allowance - call, requests=affordable)
         if after_probe:  # what the probe learned does not pay either
             self.interval = min(2 * self.interval, self.max_probe_every)
         self.skipped += 1
@@ -481,15 +483,27 @@ class DraftGate:
         return False
 
     def _affordable_nodes(self, num_reqs: int, base_tokens: int | None, row_excess: float | None,
-                          limit: int, per_request: float = 0.0) -> int:
+                          limit: int, per_request: float = 0.0) -> tuple[int, float]:
         """How many nodes (at most ``limit``) the allowance pays for verifying in a step of ``num_reqs`` decoding
-        requests, each node a request of its own that costs ``per_request`` seconds more to draft for."""
+        requests, each node a request of its own that costs ``per_request`` seconds more to draft for, with the
+        drafter's predicted call for that many requests; and that call's predicted seconds (0: not timed yet)."""
         base = num_reqs if base_tokens is None else base_tokens
         extra = np.arange(limit + 1, dtype=np.float64)
         seconds = _predict(self.cost, base + extra, num_reqs,
                            None if row_excess is None else (num_reqs + extra) * row_excess, base)
-        cost = seconds[1:] - seconds[0] + per_request * extra[1:]
-        return int(np.count_nonzero(cost <= self.allowance + ROUNDING_SECONDS))
+        verifying = seconds[1:] - seconds[0] + per_request * extra[1:]
+        affordable, call = 0, 0.0
+        for k in range(1, limit + 1):  # rarely more than a few: verifying alone soon exceeds the allowance
+            seconds_k = self._call_seconds(k)
+            if verifying[k - 1] + seconds_k > self.allowance + ROUNDING_SECONDS:
+                break
+            affordable, call = k, seconds_k
+        return affordable, call
+
+    def _call_seconds(self, num_reqs: int) -> float:
+        """The drafter's predicted call for ``num_reqs`` requests (0 before it is timed)."""
+        predicted = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
+        return predicted or 0.0
 
     def _probe(self, seconds: float | None, requests: int | None = None) -> bool:
         """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped),
