@@ -300,8 +300,8 @@ class DraftGate:
     (``probe_requests``): the allocation admits no more nodes than that, and an EAGLE head's call for every request
     of a 16-request CPU step cost about two plain steps per probe. What the call is predicted to take is not left
     for verification (``probe_seconds`` is the rest): uncounted, graft's calls for the 5-8 requests of a probe at
-    14-16 bf16 requests took 10-18 ms beside an allowance of 20-40 ms, and its probes there cost 1.5% of the
-    decode time.
+    14-16 bf16 requests took 10-18 ms beside an allowance of 20-40 ms, and its two probes in a 16-request batch cost
+    1.1% of the batch's decode time.
     Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
@@ -458,7 +458,7 @@ class DraftGate:
         self._load = load_bucket(num_reqs)
         if self.gains is None:  # nothing known yet: draft, and learn
             return self._probe(None)
-        measured = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
+        measured = self._measured_call(num_reqs)
         drafter = (measured or 0.0) + extra_seconds  # a drafter not timed yet counts as free: it drafts, is timed
         best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter, row_excess)
         self.last_rates = (best, plain)
@@ -494,16 +494,15 @@ class DraftGate:
         verifying = seconds[1:] - seconds[0] + per_request * extra[1:]
         affordable, call = 0, 0.0
         for k in range(1, limit + 1):  # rarely more than a few: verifying alone soon exceeds the allowance
-            seconds_k = self._call_seconds(k)
+            seconds_k = self._measured_call(k) or 0.0
             if verifying[k - 1] + seconds_k > self.allowance + ROUNDING_SECONDS:
                 break
             affordable, call = k, seconds_k
         return affordable, call
 
-    def _call_seconds(self, num_reqs: int) -> float:
-        """The drafter's predicted call for ``num_reqs`` requests (0 before it is timed)."""
-        predicted = self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
-        return predicted or 0.0
+    def _measured_call(self, num_reqs: int) -> float | None:
+        """The drafter's predicted call for ``num_reqs`` requests (None: no drafter cost, or not timed yet)."""
+        return self.drafter_cost.predict(num_reqs) if self.drafter_cost is not None else None
 
     def _probe(self, seconds: float | None, requests: int | None = None) -> bool:
         """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped),
