@@ -13,6 +13,10 @@ streams each weight once per call and multiplies it by every row while it is in 
   the weight, and more rows reuse each block's weights from L1/L2 (the hot loop is LLVM IR emitted through a numba
   intrinsic: numba's own loops would keep the sums in memory; 12 sums, 2 weight vectors, a broadcast and the bf16
   widening fit AVX2's 16 registers, where a 4 x 3 block's 12 sums, 3 weight vectors and broadcast left none);
+* a call's last rows (its row count mod 6) run in wider blocks, 1 row x 8 tiles or 2 x 4, after the 6-row blocks
+  of each group of 8 tiles, whose weights are then in L2: a block's sums are its only independent chains of
+  multiply-adds, and 1 x 2 left the FMA units waiting on latency (a 7th row cost two thirds of the first six;
+  now a fifth: ``scripts/bench_cpu_linear.py``);
 * while a block computes, it prefetches the next tiles into the caches, a line per tile every few ``k``: the next
   block then finds its weights in L2, so the memory stream and the multiply-adds overlap (a step of 5-16 rows was
   one memory-bound pass plus compute-bound ones);
@@ -51,12 +55,22 @@ TILE = 8
 #: registers (the 4 x 3 block it replaced, without the prefetch, took 1.1-1.7x as long at 4-16 rows: docs/benchmarks.md)
 BLOCK_ROWS = 6
 BLOCK_TILES = 2
+#: tiles per block for the last ``r`` rows of a call (fewer than BLOCK_ROWS; index ``r``). Each sum is a chain of
+#: multiply-adds, each waiting for the one before (an output is one ordered sum), so a block has as many independent
+#: chains as sums: 1 row x 2 tiles kept the FMA units waiting on latency most cycles, and a 7th row cost two thirds
+#: of the six before it. Wider blocks keep 8-12 chains going and sum each output in the same order
+REST_TILES = (0, 8, 4, 2, 2, 2)
+#: tiles whose 6-row blocks run before the last rows' blocks take the same tiles again, from L2 (the weight is still
+#: streamed from memory once per call): a multiple of every block's width
+GROUP_TILES = 8
+#: the widest block of any shape
+MAX_TILES = max(BLOCK_TILES, *REST_TILES)
 #: bytes the prefetches step by: one cache line
 CACHE_LINE = 64
 #: a multiply-add is one fused operation where the CPU has FMA (the same in every block, so batch invariant)
 FUSED = bool(llvm.get_host_cpu_features().get("fma", False))
 #: part of the saved-choice key (vllm_treespec.patches.cpu_gemm): a new kernel is timed again, not trusted
-KERNEL_VERSION = "tiles8-r6c2-prefetch-direct"
+KERNEL_VERSION = "tiles8-r6c2-rest-wide-prefetch-direct"
 
 _F32 = ir.FloatType()
 _VF = ir.VectorType(_F32, TILE)
@@ -127,9 +141,9 @@ def _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, ahead, rows: int, tiles: i
 
 @intrinsic
 def _register_block(typingctx, x, packed, out, r0, t0, ahead, rows, tiles):
-    """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows`` (1..6), c < ``tiles`` (1..2),
-    prefetching as many tiles from ``ahead`` on: one block shape per case of a switch (the sums must be registers, so
-    each shape is its own code); the smaller shapes take the last rows and tiles of a call."""
+    """``out[r0 + r, (t0 + c) * 8:][:8] = x[r0 + r] @ tile t0 + c`` for r < ``rows`` (1..6), c < ``tiles``
+    (1.. :func:`_widest` of ``rows``), prefetching as many tiles from ``ahead`` on: one block shape per case of a
+    switch (the sums must be registers, so each shape is its own code)."""
     if not all(isinstance(a, types.Array) and a.layout == "C" for a in (x, packed, out)):
         return None
     if x.dtype != types.float32 or out.dtype != types.float32 or packed.dtype not in (types.float32, types.uint16):
@@ -142,12 +156,12 @@ def _register_block(typingctx, x, packed, out, r0, t0, ahead, rows, tiles):
         r0, t0, ahead, rows, tiles = args[3:]
         i64 = r0.type
         done = builder.append_basic_block("block_done")
-        shape = builder.add(builder.mul(rows, i64(BLOCK_TILES + 1)), tiles)
+        shape = builder.add(builder.mul(rows, i64(MAX_TILES + 1)), tiles)
         switch = builder.switch(shape, done)
         for num_rows in range(1, BLOCK_ROWS + 1):
-            for num_tiles in range(1, BLOCK_TILES + 1):
+            for num_tiles in range(1, _widest(num_rows) + 1):
                 case = builder.append_basic_block(f"block_{num_rows}x{num_tiles}")
-                switch.add_case(i64(num_rows * (BLOCK_TILES + 1) + num_tiles), case)
+                switch.add_case(i64(num_rows * (MAX_TILES + 1) + num_tiles), case)
                 builder.position_at_end(case)
                 _emit_block(builder, x_arr, w_arr, o_arr, r0, t0, ahead, num_rows, num_tiles, bf16)
                 builder.branch(done)
@@ -157,23 +171,51 @@ def _register_block(typingctx, x, packed, out, r0, t0, ahead, rows, tiles):
     return sig, codegen
 
 
+def _widest(rows: int) -> int:
+    """The most tiles of a block of ``rows`` rows."""
+    return BLOCK_TILES if rows == BLOCK_ROWS else REST_TILES[rows]
+
+
 @njit(cache=True, nogil=True)
 def linear_packed(x, packed, out):
     """out = x @ W.T for fp32 ``x`` (M x K) and W packed by :func:`pack_weight` (``[T, K, 8]``, fp32 or bf16 bits),
-    into fp32 ``out`` (M x 8T): for each block of 2 tiles, every block of 6 rows (the tiles stay in L1/L2), each
-    block prefetching the next block of tiles (the last, its own)."""
+    into fp32 ``out`` (M x 8T). Per group of GROUP_TILES tiles: each block of 2 tiles times every block of 6 rows
+    (the tiles stay in L1/L2), each prefetching the next block of tiles; then the last rows (M mod 6) in blocks of
+    REST_TILES[M mod 6] tiles, reading the group from L2. Without a block of 6 rows, the last rows' blocks stream
+    the weight themselves, each prefetching the next."""
     num_rows = x.shape[0]
     num_tiles = packed.shape[0]
-    t = 0
-    while t < num_tiles:
-        tiles = min(BLOCK_TILES, num_tiles - t)
-        ahead = t + tiles if t + 2 * tiles <= num_tiles else t
-        r = 0
-        while r < num_rows:
-            rows = min(BLOCK_ROWS, num_rows - r)
-            _register_block(x, packed, out, r, t, ahead, rows, tiles)
-            r += rows
-        t += tiles
+    full = num_rows - num_rows % BLOCK_ROWS
+    rest = num_rows - full
+    rest_tiles = REST_TILES[rest]
+    if num_rows == 0:
+        return
+    if full == 0:
+        t = 0
+        while t < num_tiles:
+            tiles = min(rest_tiles, num_tiles - t)
+            ahead = t + tiles if t + 2 * tiles <= num_tiles else t
+            _register_block(x, packed, out, 0, t, ahead, rest, tiles)
+            t += tiles
+        return
+    group = 0
+    while group < num_tiles:
+        group_end = min(group + GROUP_TILES, num_tiles)
+        t = group
+        while t < group_end:
+            tiles = min(BLOCK_TILES, group_end - t)
+            ahead = t + tiles if t + 2 * tiles <= num_tiles else t
+            r = 0
+            while r < full:
+                _register_block(x, packed, out, r, t, ahead, BLOCK_ROWS, tiles)
+                r += BLOCK_ROWS
+            t += tiles
+        t = group
+        while rest and t < group_end:
+            tiles = min(rest_tiles, group_end - t)
+            _register_block(x, packed, out, full, t, t, rest, tiles)  # in cache: its prefetch is a no-op
+            t += tiles
+        group = group_end
 
 
 def pack_weight(weight: np.ndarray) -> np.ndarray:

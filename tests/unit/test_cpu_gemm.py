@@ -21,13 +21,14 @@ def _reference(x, weight, bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_linear_is_x_times_the_weight_in_the_weights_dtype(dtype, shape, with_bias):
+@pytest.mark.parametrize("leading", [(2, 5), (1, 7), (2,)])  # 10 rows: 6 + 4 in blocks; 7: 6 + 1; 2: alone
+def test_the_linear_is_x_times_the_weight_in_the_weights_dtype(dtype, shape, with_bias, leading):
     generator = torch.Generator().manual_seed(sum(shape))
     weight = (torch.randn(shape, generator=generator) * 0.05).to(dtype)
     bias = torch.randn(shape[0], generator=generator).to(dtype) if with_bias else None
-    x = torch.randn(2, 5, shape[1], generator=generator).to(dtype)  # leading dimensions are kept
+    x = torch.randn(*leading, shape[1], generator=generator).to(dtype)  # leading dimensions are kept
     out = NumbaLinear(weight)(x, weight, bias)
-    assert out.shape == (2, 5, shape[0]) and out.dtype == dtype
+    assert out.shape == (*leading, shape[0]) and out.dtype == dtype
     want = _reference(x, weight, bias)
     if dtype == torch.float32:
         # one fp32 sum in order over K terms: each partial sum rounds once (the classic bound K * u * sum|terms|)
@@ -35,13 +36,14 @@ def test_the_linear_is_x_times_the_weight_in_the_weights_dtype(dtype, shape, wit
         assert torch.all((out.double() - want).abs() <= bound)
     else:  # fp32 sums rounded once to bf16: within one bf16 rounding of the exact product
         assert torch.all((out.double() - want).abs() <= want.abs() * 2.0**-8 + 1e-6)
-    assert NumbaLinear(weight)(x[:0], weight, bias).shape == (0, 5, shape[0])
+    assert NumbaLinear(weight)(x[:0], weight, bias).shape == (0, *leading[1:], shape[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
-    """Batch invariance: the same row alone, first or last of a batch of any size gives the same bits (the last
-    rows of a call go through smaller register blocks, which sum in the same order)."""
+    """Batch invariance: the same row alone, first or last of a batch of any size gives the same bits (a call's
+    last rows go through register blocks of other shapes, 1 x 8 and 2 x 4 tiles among them, which sum in the same
+    order; the weight's 17 tiles make groups of 8, 8 and 1)."""
     generator = torch.Generator().manual_seed(3)
     weight = (torch.randn(SHAPES[1], generator=generator) * 0.05).to(dtype)
     linear = NumbaLinear(weight)
@@ -51,6 +53,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype):
     assert torch.equal(batch, alone)
     assert torch.equal(linear(x[3:8]), batch[3:8])
     assert torch.equal(linear(x[2:11]), batch[2:11])
+    for rows in (2, 7, 8):  # a 2 x 4 block alone; a 6-row block and a 1 x 8 or 2 x 4 block after it
+        assert torch.equal(linear(x[:rows]), batch[:rows])
 
 
 def test_an_fp32_layers_direct_call_gives_the_bits_of_the_general_path():
