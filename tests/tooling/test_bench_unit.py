@@ -380,7 +380,7 @@ def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, 
         port = 0
 
         def __init__(self, model, spec, args, log_path, env):
-            self.label = log_path.stem.removeprefix("server-")
+            self.label = log_path.stem.removeprefix("server-").rsplit("-r", 1)[0]  # server-LABEL-rN.log
             envs[self.label] = env
 
         def start(self):
@@ -399,6 +399,24 @@ def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, 
     # every server, speculative or not, writes its plain forwards to a file of its own round
     assert {label: Path(env[FORWARD_TIMES_FILE_ENV]).name for label, env in envs.items()} == {
         label: f"forwards-{label}-r1.txt" for label in ("none", "graft", "graft_plain")}
+
+
+def test_a_crashed_servers_reason_is_the_exception_its_log_ends_with():
+    """A server that dies during a round is reported with the exception of its last traceback (the worker's, not the
+    EngineDeadError that every later request raises), else with its log's last line."""
+    from vllm_treespec.tools.bench_serve import crash_reason
+
+    log = "\n".join([
+        "(APIServer pid=1) INFO 11-30 21:00:00 [api_server.py:1] starting",
+        "(Worker pid=3) ERROR 11-30 21:02:31 [multiproc_executor.py:9]   File \"x.py\", line 4, in step",
+        "(Worker pid=3) ERROR 11-30 21:02:31 [multiproc_executor.py:9] IndexError: index 7 is out of bounds",
+        "(APIServer pid=1) ERROR 11-30 21:02:32 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue.",
+        "(APIServer pid=1) INFO 11-30 21:02:33 [launcher.py:254] [shutdown] API server: shutdown triggered",
+    ])
+    assert crash_reason(log) == "IndexError: index 7 is out of bounds"
+    assert crash_reason("Killed\n") == "Killed"
+    assert crash_reason("") == "the server exited (empty log)"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -497,7 +515,7 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
 
     class FakeServer:
         def __init__(self, model, spec, args, log_path, env):
-            self.label = log_path.stem.removeprefix("server-")
+            self.label = log_path.stem.removeprefix("server-").rsplit("-r", 1)[0]  # server-LABEL-rN.log
             self.port = 8000 + len(events)
             self.url = f"http://127.0.0.1:{self.label}"
             self.process = SimpleNamespace(pid=1)
@@ -517,6 +535,9 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
 
         def rss_bytes(self):
             return 1 << 30
+
+        def log_tail(self, chars=6000):
+            return "(Worker pid=3) ERROR [core.py:1] RuntimeError: the worker died\n(APIServer pid=1) INFO shut down\n"
 
         def stop(self):
             if self.running:
@@ -554,7 +575,8 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
     report = json.loads((out / "results.json").read_text())
     by = {m["label"]: m for m in report["methods"]}
     assert by["broken"]["status"] == "failed" and "does not start" in by["broken"]["reason"]
-    assert by["crashy"]["status"] == "crashed"
+    assert by["crashy"]["status"] == "crashed" and by["crashy"]["reason"] == "RuntimeError: the worker died"
+    assert by["crashy"]["log"].endswith("server-crashy-r1.log")  # the round it died in keeps its own log
     assert by["graft"]["status"] == by["none"]["status"] == "ok" and by["graft"]["rounds"] == 2
     for level in ("1", "2"):
         assert by["graft"]["levels"][level]["rounds_vs_none"] == [2.0, 2.0]

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import statistics
 import sys
 import time
@@ -105,7 +106,8 @@ class MethodRound:
         self.args = args
         self.entry: dict[str, Any] = {"label": spec.label, "method": spec.method,
                                       "speculative_config": spec.speculative_config(), "levels": {}}
-        self.log_path = out_dir / f"server-{spec.label}.log"
+        # one log per round: a server that crashes in one round keeps its traceback when the next round starts
+        self.log_path = out_dir / f"server-{spec.label}-r{round_index + 1}.log"
         self.trace_path = out_dir / f"budget-{spec.label}-r{round_index + 1}.jsonl"
         trace.clear(self.trace_path)
         self.forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
@@ -158,13 +160,28 @@ class MethodRound:
             if self.rss is not None:
                 self.rss.__exit__(None, None, None)
                 self.entry["rss"] = self.rss.summary()
-            self.entry["status"] = "ok" if self.server.alive() else "crashed"
+            if self.server.alive():
+                self.entry["status"] = "ok"
+            else:
+                self.entry.update(status="crashed", reason=crash_reason(self.server.log_tail(20000)),
+                                  log=str(self.log_path))
             self.server.stop()
             self.up = False
         windows = {level: tuple(stats["window"]) for level, stats in self.entry["levels"].items()}
         add_budget_trace(self.entry, trace.files(self.trace_path), windows)
         add_forward_times(self.entry, forward_times.read_trace(trace.files(self.forwards_path)), windows)
         return self.entry
+
+
+def crash_reason(log: str) -> str:
+    """The last exception a server's log names (``Error: ...`` / ``Exception: ...`` line of its last traceback),
+    else its last line: what results.json and the table say of a server that died during a round."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        text = line.split("] ", 1)[-1]  # vLLM's log prefix: "(Process pid=N) LEVEL date [file.py:line] "
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*:", text) and "EngineDeadError" not in text:
+            return text[:300]
+    return lines[-1][:300] if lines else "the server exited (empty log)"
 
 
 def level_batches(prompts: list[str], args: argparse.Namespace) -> list[tuple[int, list[str]]]:
