@@ -15,8 +15,8 @@ streams each weight once per call and multiplies it by every row while it is in 
   widening fit AVX2's 16 registers, where a 4 x 3 block's 12 sums, 3 weight vectors and broadcast left none);
 * a call's last rows (its row count mod 6) run in wider blocks, 1 row x 8 tiles or 2 x 4, after the 6-row blocks
   of each group of 8 tiles, whose weights are then in L2: a block's sums are its only independent chains of
-  multiply-adds, and 1 x 2 left the FMA units waiting on latency (a 7th row cost two thirds of the first six;
-  now a fifth: ``scripts/bench_cpu_linear.py``);
+  multiply-adds, and 1 x 2 left the FMA units waiting on latency (a 7th row cost half what the first six did;
+  now a third: ``scripts/bench_cpu_linear.py``);
 * while a block computes, it prefetches the next tiles into the caches, a line per tile every few ``k``: the next
   block then finds its weights in L2, so the memory stream and the multiply-adds overlap (a step of 5-16 rows was
   one memory-bound pass plus compute-bound ones);
@@ -57,8 +57,8 @@ BLOCK_ROWS = 6
 BLOCK_TILES = 2
 #: tiles per block for the last ``r`` rows of a call (fewer than BLOCK_ROWS; index ``r``). Each sum is a chain of
 #: multiply-adds, each waiting for the one before (an output is one ordered sum), so a block has as many independent
-#: chains as sums: 1 row x 2 tiles kept the FMA units waiting on latency most cycles, and a 7th row cost two thirds
-#: of the six before it. Wider blocks keep 8-12 chains going and sum each output in the same order
+#: chains as sums: 1 row x 2 tiles kept the FMA units waiting on latency most cycles, and a 7th row cost half
+#: what the six before it did. Wider blocks keep 8-12 chains going and sum each output in the same order
 REST_TILES = (0, 8, 4, 2, 2, 2)
 #: tiles whose 6-row blocks run before the last rows' blocks take the same tiles again, from L2 (the weight is still
 #: streamed from memory once per call): a multiple of every block's width
