@@ -185,11 +185,11 @@ def linear_packed(x, packed, out):
     the weight themselves, each prefetching the next."""
     num_rows = x.shape[0]
     num_tiles = packed.shape[0]
+    if num_rows == 0:
+        return
     full = num_rows - num_rows % BLOCK_ROWS
     rest = num_rows - full
     rest_tiles = REST_TILES[rest]
-    if num_rows == 0:
-        return
     if full == 0:
         t = 0
         while t < num_tiles:
