@@ -202,15 +202,17 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
     graft = merge_rounds([_serve_entry("graft", {"1": 30.0, "4": 57.0}, 4),
                           _serve_entry("graft", {"1": 24.0, "4": 66.0}, 5)])
     assert graft["levels"]["1"]["output_tok_per_s"] == 24.0 and graft["levels"]["4"]["output_tok_per_s"] == 57.0
-    broken = merge_rounds([_serve_entry("x", {"1": 1.0}, 6), {"label": "x", "status": "failed", "reason": "boom"}])
+    broken = merge_rounds([{"label": "x", "status": "failed", "reason": "boom", "round": 1},
+                           {"label": "x", "status": "crashed", "reason": "bang", "round": 2, "levels": {}}])
     assert broken["status"] == "failed" and broken["reason"] == "boom"
+    assert [f["round"] for f in broken["failed_rounds"]] == [1, 2]
     methods = [none, graft, broken]
     add_ratios(methods)
     assert graft["levels"]["1"]["vs_none"] == pytest.approx(24.0 / 15.0)
     assert graft["levels"]["4"]["vs_none"] == pytest.approx(57.0 / 60.0)
     assert none["levels"]["4"]["vs_none"] == pytest.approx(1.0)
-    # the baseline has 3 rounds, graft 2: no paired ratio; pair two 3-round methods instead
-    assert "vs_none_paired" not in graft["levels"]["1"]
+    # graft's two rounds are paired with the baseline's first two (round numbers by position here)
+    assert graft["levels"]["1"]["rounds_vs_none"] == pytest.approx([30.0 / 20.0, 24.0 / 10.0])
     other = merge_rounds([_serve_entry("other", {"1": 40.0, "4": 60.0}, 7),
                           _serve_entry("other", {"1": 10.0, "4": 140.0}, 8),
                           _serve_entry("other", {"1": 30.0, "4": 50.0}, 9)])
@@ -221,6 +223,29 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
     assert other["levels"]["4"]["vs_none"] == pytest.approx(1.0)
     table = format_table(methods + [other])
     assert "2.00x" in table and "1.60x" in table and "0.95x" in table and "30.0 / 24.0" in table and "boom" in table
+
+
+def test_bench_serve_keeps_the_rounds_a_crash_left():
+    """A round whose server crashed is left out of the method's figures, named in the table and results, and the
+    other rounds are paired with the baseline's rounds of the same number."""
+    from vllm_treespec.tools.bench_serve import add_ratios, format_table, merge_rounds
+
+    def entry(label, rate, pid, number):
+        return {**_serve_entry(label, {"2": rate}, pid), "round": number}
+
+    none = merge_rounds([entry("none", 20.0, 1, 1), entry("none", 40.0, 2, 2), entry("none", 10.0, 3, 3)])
+    crash = {"label": "graft", "method": "graft", "status": "crashed", "round": 2, "reason": "ValueError: x",
+             "log": "server-graft-r2.log", "levels": {"2": {"output_tok_per_s": 1.0}}}
+    graft = merge_rounds([entry("graft", 30.0, 4, 1), crash, entry("graft", 12.0, 6, 3)])
+    assert graft["status"] == "ok" and graft["rounds"] == 2 and graft["round_numbers"] == [1, 3]
+    assert graft["failed_rounds"] == [{"round": 2, "status": "crashed", "reason": "ValueError: x",
+                                       "log": "server-graft-r2.log"}]
+    assert graft["levels"]["2"]["rounds_tok_per_s"] == [30.0, 12.0]  # the crashed round's partial level left out
+    add_ratios([none, graft])
+    assert graft["levels"]["2"]["rounds_vs_none"] == pytest.approx([1.5, 1.2])  # rounds 1 and 3, not 1 and 2
+    assert graft["levels"]["2"]["vs_none_paired"] == pytest.approx(1.35)
+    table = format_table([none, graft])
+    assert "graft: round 2 crashed: ValueError: x (server-graft-r2.log)" in table
 
 
 def test_bench_serve_pairs_rounds_at_equal_engine_speed(tmp_path):
@@ -561,7 +586,7 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
     code = bench_serve.main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2",
                              "--requests-per-level", "2", "--methods", "graft;crashy=graft;broken=graft",
                              "--interleave", "--repeats", "2", "--cpu-affinity", "os", "--out", str(out)])
-    assert code == 1  # broken and crashy failed
+    assert code == 1  # broken failed, crashy crashed in a round
     first, second = ("q0", "q1"), ("q2", "q3")
     assert events == [
         ("start", "none"), ("start", "graft"), ("start", "crashy"),
@@ -575,8 +600,12 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
     report = json.loads((out / "results.json").read_text())
     by = {m["label"]: m for m in report["methods"]}
     assert by["broken"]["status"] == "failed" and "does not start" in by["broken"]["reason"]
-    assert by["crashy"]["status"] == "crashed" and by["crashy"]["reason"] == "RuntimeError: the worker died"
-    assert by["crashy"]["log"].endswith("server-crashy-r1.log")  # the round it died in keeps its own log
+    # crashy died in round 1: its figures are round 2's, and round 1's crash is reported with its own log
+    assert by["crashy"]["status"] == "ok" and by["crashy"]["rounds"] == 1 and by["crashy"]["round_numbers"] == [2]
+    (failure,) = by["crashy"]["failed_rounds"]
+    assert failure["round"] == 1 and failure["status"] == "crashed"
+    assert failure["reason"] == "RuntimeError: the worker died" and failure["log"].endswith("server-crashy-r1.log")
+    assert "crashy: round 1 crashed: RuntimeError: the worker died" in (out / "table.txt").read_text()
     assert by["graft"]["status"] == by["none"]["status"] == "ok" and by["graft"]["rounds"] == 2
     for level in ("1", "2"):
         assert by["graft"]["levels"][level]["rounds_vs_none"] == [2.0, 2.0]

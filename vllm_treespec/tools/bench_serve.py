@@ -104,7 +104,7 @@ class MethodRound:
     def __init__(self, spec: MethodSpec, args: argparse.Namespace, out_dir: Path, round_index: int = 0) -> None:
         self.spec = spec
         self.args = args
-        self.entry: dict[str, Any] = {"label": spec.label, "method": spec.method,
+        self.entry: dict[str, Any] = {"label": spec.label, "method": spec.method, "round": round_index + 1,
                                       "speculative_config": spec.speculative_config(), "levels": {}}
         # one log per round: a server that crashes in one round keeps its traceback when the next round starts
         self.log_path = out_dir / f"server-{spec.label}-r{round_index + 1}.log"
@@ -264,16 +264,23 @@ def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str
 
 def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One method's entries from several rounds -> one entry: per level the stats of the round with the median
-    output tok/s (the lower median for an even count), plus every round's tok/s under ``rounds_tok_per_s``; the
-    per-server fields (startup, RSS) are the first round's. A method that failed in any round is reported failed
-    with that round's reason."""
-    failed = [r for r in rounds if r["status"] != "ok"]
+    output tok/s (the lower median for an even count), plus every round's tok/s under ``rounds_tok_per_s`` and the
+    rounds' numbers under ``round_numbers``; the per-server fields (startup, RSS) are the first round's. A round whose
+    server failed or crashed is left out and listed under ``failed_rounds`` (round, status, reason, log): the rounds
+    that completed still count. A method that completed no round is reported failed with its first round's reason."""
+    numbered = [(r.get("round", i + 1), r) for i, r in enumerate(rounds)]
+    done = [(n, r) for n, r in numbered if r["status"] == "ok"]
+    failed = [{"round": n, **{k: r[k] for k in ("status", "reason", "log") if k in r}}
+              for n, r in numbered if r["status"] != "ok"]
+    if not done:
+        return {**rounds[0], "rounds": len(rounds), "failed_rounds": failed}
+    first = done[0][1]
+    merged = {**first, "levels": {}, "rounds": len(done), "round_numbers": [n for n, _ in done],
+              "server_pids": [r["server_pid"] for _, r in done], "ports": [r["port"] for _, r in done]}
     if failed:
-        return {**failed[0], "rounds": len(rounds)}
-    merged = {**rounds[0], "levels": {}, "rounds": len(rounds), "server_pids": [r["server_pid"] for r in rounds],
-              "ports": [r["port"] for r in rounds]}
-    for level in rounds[0]["levels"]:
-        per_round = [r["levels"][level] for r in rounds]
+        merged["failed_rounds"] = failed
+    for level in first["levels"]:
+        per_round = [r["levels"][level] for _, r in done if level in r["levels"]]
         rates = [s["output_tok_per_s"] for s in per_round]
         median = statistics.median_low(rates)
         merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates,
@@ -282,6 +289,17 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                                    "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round],
                                    "rounds_window": [s.get("window") for s in per_round]}
     return merged
+
+
+def paired_rounds(mine: dict[str, Any], theirs: dict[str, Any], level: str) -> list[tuple[int, int]]:
+    """(index in ``mine``'s round lists, index in ``theirs``') of each round both methods completed at ``level``:
+    a round is paired with the baseline's same round, which ran next to it."""
+    def numbers(m: dict[str, Any]) -> list[int]:
+        n = len(m["levels"][level].get("rounds_tok_per_s", []))
+        return list(m.get("round_numbers") or range(1, n + 1))[:n]
+
+    theirs_at = {number: j for j, number in enumerate(numbers(theirs))}
+    return [(i, theirs_at[number]) for i, number in enumerate(numbers(mine)) if number in theirs_at]
 
 
 def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
@@ -296,15 +314,16 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
             b = base["levels"].get(level)
             if b and b["output_tok_per_s"] > 0:
                 s["vs_none"] = s["output_tok_per_s"] / b["output_tok_per_s"]
+            pairs = paired_rounds(m, base, level) if b else []
             mine, theirs = s.get("rounds_tok_per_s", []), (b or {}).get("rounds_tok_per_s", [])
-            if len(mine) > 1 and len(mine) == len(theirs) and min(theirs) > 0:
-                s["rounds_vs_none"] = [x / y for x, y in zip(mine, theirs)]
+            if len(pairs) > 1 and min(theirs[j] for _, j in pairs) > 0:
+                s["rounds_vs_none"] = [mine[i] / theirs[j] for i, j in pairs]
                 s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
-                mine_ms = s.get("rounds_plain_forward_ms", [])
-                theirs_ms = (b or {}).get("rounds_plain_forward_ms", [])
-                if len(mine_ms) == len(mine) and len(theirs_ms) == len(mine) and None not in mine_ms + theirs_ms:
+                mine_ms = [s.get("rounds_plain_forward_ms", [None] * len(mine))[i] for i, _ in pairs]
+                theirs_ms = [b.get("rounds_plain_forward_ms", [None] * len(theirs))[j] for _, j in pairs]
+                if None not in mine_ms + theirs_ms:
                     # each server's tok/s at the speed of the other: times its plain forward over the other's
-                    s["rounds_vs_none_equal_speed"] = [ratio * a / b for ratio, a, b in
+                    s["rounds_vs_none_equal_speed"] = [ratio * x / y for ratio, x, y in
                                                        zip(s["rounds_vs_none"], mine_ms, theirs_ms)]
                     s["vs_none_paired_equal_speed"] = statistics.median(s["rounds_vs_none_equal_speed"])
 
@@ -354,6 +373,10 @@ def format_table(methods: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]
     lines.insert(1, "-" * len(lines[0]))
+    # rounds left out of an ok method's figures (a crash mid-round): the reader must know they are fewer
+    lines += [f"{m['label']}: round {f['round']} {f['status']}: {f.get('reason', '')} ({f.get('log', 'no log')}); "
+              f"its figures are the other rounds'" for m in methods if m["status"] == "ok"
+              for f in m.get("failed_rounds", [])]
     return "\n".join(lines)
 
 
@@ -489,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     path = plot(methods, out_dir)
     print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'table.txt'}, {path}")
-    return 0 if all(m["status"] in ("ok", "skipped") for m in methods) else 1
+    return 0 if all(m["status"] in ("ok", "skipped") and not m.get("failed_rounds") for m in methods) else 1
 
 
 if __name__ == "__main__":
