@@ -3,6 +3,7 @@ the script writes today, and every option must have a meaning (a ``#:`` comment 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from script_helpers import load_script
@@ -30,3 +31,39 @@ def test_every_builtin_method_and_option_is_documented():
     missing = gen.undocumented()
     assert not missing, (f"options without a meaning in docs/methods.md: {missing}; add a `#:` comment line above "
                          f"each field in its options struct, then run `{gen.RERUN}`")
+
+
+def _heading_anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings: lowercased, every character but word characters, spaces and
+    hyphens dropped, spaces turned into hyphens; a repeated heading gets -1, -2, ..."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not re.match(r"#{1,6} ", line):
+            continue
+        anchor = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        unique, n = anchor, 0
+        while unique in anchors:
+            n += 1
+            unique = f"{anchor}-{n}"
+        anchors.add(unique)
+    return anchors
+
+
+def test_every_link_between_the_docs_resolves():
+    """A link from one of the repository's Markdown pages to a file of the repository names a file that exists and,
+    with ``#anchor``, a heading of it: the benchmark page's sections are renamed as figures change."""
+    pages = sorted(p for p in ROOT.glob("**/*.md") if ".venv" not in p.parts and "node_modules" not in p.parts
+                   and not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+    assert ROOT / "README.md" in pages and ROOT / "docs" / "benchmarks.md" in pages
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor} (no such heading)")
+    assert not broken, "broken links between the docs:\n" + "\n".join(broken)
