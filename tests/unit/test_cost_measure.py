@@ -69,7 +69,9 @@ class FakeRunner:
         self.max_model_len = 600
         self.scheduler_config = SimpleNamespace(max_num_seqs=4)
         self.kv_cache_config = SimpleNamespace(num_blocks=6)
-        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="fake", dtype=torch.float32))
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="fake", dtype=torch.float32),
+                                           compilation_config=SimpleNamespace(mode=None, backend="",
+                                                                              cudagraph_mode=None))
         table = SimpleNamespace(block_size=16, block_table=SimpleNamespace(np=np.zeros((4, 38), np.int32)))
         self.input_batch = SimpleNamespace(block_table=[table])
         self.runs = []

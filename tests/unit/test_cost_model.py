@@ -294,6 +294,33 @@ def test_foreign_cache_is_ignored_with_one_log_line(tmp_path, log_lines):
     assert len(log_lines) == 2 and "format" in log_lines[1].getMessage()
 
 
+def test_eager_and_compiled_engines_keep_their_own_curves(tmp_path, log_lines):
+    """The key names how vLLM runs the forward: a curve timed under enforce_eager is not a compiled engine's."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    from vllm_treespec.cost.measure import execution_summary
+
+    def config(mode, backend, graphs):
+        return SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, backend=backend, cudagraph_mode=graphs))
+
+    eager = execution_summary(config(CompilationMode.NONE, "inductor", CUDAGraphMode.NONE))
+    compiled = execution_summary(config(CompilationMode.DYNAMO_TRACE_ONCE, "inductor", CUDAGraphMode.NONE))
+    graphs = execution_summary(config(CompilationMode.VLLM_COMPILE, "", CUDAGraphMode.FULL_AND_PIECEWISE))
+    assert eager == "compile=NONE cudagraph=NONE"
+    assert compiled == "compile=DYNAMO_TRACE_ONCE/inductor cudagraph=NONE"
+    assert graphs == "compile=VLLM_COMPILE cudagraph=FULL_AND_PIECEWISE"
+    cache = CostCache(tmp_path)
+    eager_key, compiled_key = (msgspec.structs.replace(KEY, execution=e) for e in (eager, compiled))
+    cache.save(record_of(eager_key))
+    assert cache.path(eager_key) != cache.path(compiled_key)
+    assert cache.load(compiled_key) is None and log_lines == []  # another file: measured, not misread
+    cache.path(compiled_key).write_bytes(cache.path(eager_key).read_bytes())  # the eager curve under its name
+    assert cache.load(compiled_key) is None
+    assert "execution='compile=NONE cudagraph=NONE'" in log_lines[0].getMessage()
+
+
 def test_load_or_measure_measures_once_then_reads_the_cache(tmp_path, log_lines):
     cache = CostCache(tmp_path)
     calls = []

@@ -67,7 +67,20 @@ def cost_key(runner: Any) -> CostKey:
     model_config = runner.vllm_config.model_config
     return CostKey(model=str(model_config.model), dtype=str(model_config.dtype).removeprefix("torch."),
                    device=device_name(), vllm_version=str(vllm.__version__), torch_threads=torch.get_num_threads(),
-                   linear=kernel_summary(), tree_attention=tree_attention_summary())
+                   linear=kernel_summary(), tree_attention=tree_attention_summary(),
+                   execution=execution_summary(runner.vllm_config))
+
+
+def execution_summary(vllm_config: Any) -> str:
+    """How the engine runs its forward, as vLLM resolved it: its compilation mode (``NONE`` under
+    ``enforce_eager``) with the compiler's backend, and its CUDA-graph mode, e.g. ``"compile=NONE cudagraph=NONE"``
+    or, a CPU engine's default, ``"compile=DYNAMO_TRACE_ONCE/inductor cudagraph=NONE"``."""
+    compilation = vllm_config.compilation_config
+    mode, graphs = getattr(compilation, "mode", None), getattr(compilation, "cudagraph_mode", None)
+    compiled = getattr(mode, "name", str(mode))
+    if compiled != "NONE" and getattr(compilation, "backend", ""):
+        compiled += f"/{compilation.backend}"
+    return f"compile={compiled} cudagraph={getattr(graphs, 'name', graphs)}"
 
 
 def tree_attention_summary() -> str:

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-len", type=int, default=256, help="context length of the timed requests")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds the timed rounds may take")
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="time the eager forward, as engines started with enforce_eager run (by default vLLM "
+                        "compiles the model; the two curves are cached apart)")
     # a str, not a Path: Path("") is "." and the plot would be written to a file named ".png"
     parser.add_argument("--plot", default="cost_model.png", help="plot file ('' for none)")
     parser.add_argument("--json", type=Path, default=None, help="also write the measurement as JSON here")
@@ -136,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_treespec.cost.measure import measure_worker
     from vllm_treespec.cost.model import CostCache, CostRecord, StepSample
 
-    llm = LLM(model=model_path, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs, seed=0)
+    llm = LLM(model=model_path, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs, seed=0,
+              enforce_eager=args.enforce_eager)
     result = llm.collective_rpc(measure_worker, kwargs=dict(
         points=args.points, held_out=list(args.held_out), repeats=args.repeats, context_len=args.context_len,
         budget_s=args.budget))[0]
@@ -146,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = record.step_model()
     key = record.key
     print(f"step-cost curve: {key.model} {key.dtype} on {key.device}, vLLM {key.vllm_version}, "
-          f"{key.torch_threads} torch thread(s), context {args.context_len}; sweep {seconds:.1f} s")
+          f"{key.torch_threads} torch thread(s), {key.execution}, context {args.context_len}; sweep {seconds:.1f} s")
     print(format_table(model, record.samples))
     print(f"per-request term: {model.per_request * 1e3:.3f} ms per extra request")
     print(format_context(model, record.samples))
