@@ -3,9 +3,9 @@
 Starts an engine on the model (default: the embedded SmolLM2-135M-Instruct), runs the start-up sweep of
 :mod:`vllm_treespec.cost.measure` in its worker, fits :class:`~vllm_treespec.cost.model.StepCostModel` and prints
 tokens, requests, measured and fitted ms per step and the marginal ms per added token; writes a matplotlib plot and
-the engine's cost-model cache (what every tree-method engine of the same model, dtype, device, vLLM and thread count
-loads at start-up instead of running its own shorter sweep), unless the sweep's rounds disagree as a busy machine's
-do (:meth:`~vllm_treespec.cost.model.CostRecord.not_cacheable`).
+the engine's cost-model cache (what every tree-method engine of the same model, dtype, device, vLLM, thread count,
+linear kernel and compile mode loads at start-up instead of running its own shorter sweep), unless the sweep's
+rounds disagree as a busy machine's do (:meth:`~vllm_treespec.cost.model.CostRecord.not_cacheable`).
 ``--held-out`` also times points outside the fit grid in the same rounds and prints predicted vs measured.
 """
 
