@@ -280,7 +280,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     if failed:
         merged["failed_rounds"] = failed
     for level in first["levels"]:
-        per_round = [r["levels"][level] for _, r in done if level in r["levels"]]
+        per_round = [r["levels"][level] for _, r in done]  # a round that completed ran every level
         rates = [s["output_tok_per_s"] for s in per_round]
         median = statistics.median_low(rates)
         merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates,
@@ -291,15 +291,11 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def paired_rounds(mine: dict[str, Any], theirs: dict[str, Any], level: str) -> list[tuple[int, int]]:
-    """(index in ``mine``'s round lists, index in ``theirs``') of each round both methods completed at ``level``:
-    a round is paired with the baseline's same round, which ran next to it."""
-    def numbers(m: dict[str, Any]) -> list[int]:
-        n = len(m["levels"][level].get("rounds_tok_per_s", []))
-        return list(m.get("round_numbers") or range(1, n + 1))[:n]
-
-    theirs_at = {number: j for j, number in enumerate(numbers(theirs))}
-    return [(i, theirs_at[number]) for i, number in enumerate(numbers(mine)) if number in theirs_at]
+def paired_rounds(mine: dict[str, Any], theirs: dict[str, Any]) -> list[tuple[int, int]]:
+    """(index in ``mine``'s per-round lists, index in ``theirs``') of each round both merged methods completed: a
+    round is paired with the baseline's round of the same number, which ran next to it."""
+    theirs_at = {number: j for j, number in enumerate(theirs["round_numbers"])}
+    return [(i, theirs_at[number]) for i, number in enumerate(mine["round_numbers"]) if number in theirs_at]
 
 
 def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
@@ -310,17 +306,19 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
     for m in methods:
         if m["status"] != "ok" or base is None:
             continue
+        pairs = paired_rounds(m, base)
         for level, s in m["levels"].items():
             b = base["levels"].get(level)
-            if b and b["output_tok_per_s"] > 0:
+            if b is None:
+                continue
+            if b["output_tok_per_s"] > 0:
                 s["vs_none"] = s["output_tok_per_s"] / b["output_tok_per_s"]
-            pairs = paired_rounds(m, base, level) if b else []
-            mine, theirs = s.get("rounds_tok_per_s", []), (b or {}).get("rounds_tok_per_s", [])
+            mine, theirs = s["rounds_tok_per_s"], b["rounds_tok_per_s"]
             if len(pairs) > 1 and min(theirs[j] for _, j in pairs) > 0:
                 s["rounds_vs_none"] = [mine[i] / theirs[j] for i, j in pairs]
                 s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
-                mine_ms = [s.get("rounds_plain_forward_ms", [None] * len(mine))[i] for i, _ in pairs]
-                theirs_ms = [b.get("rounds_plain_forward_ms", [None] * len(theirs))[j] for _, j in pairs]
+                mine_ms = [s["rounds_plain_forward_ms"][i] for i, _ in pairs]
+                theirs_ms = [b["rounds_plain_forward_ms"][j] for _, j in pairs]
                 if None not in mine_ms + theirs_ms:
                     # each server's tok/s at the speed of the other: times its plain forward over the other's
                     s["rounds_vs_none_equal_speed"] = [ratio * x / y for ratio, x, y in
