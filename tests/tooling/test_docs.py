@@ -3,6 +3,8 @@ the script writes today, and every option must have a meaning (a ``#:`` comment 
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from pathlib import Path
 
@@ -55,15 +57,19 @@ def _heading_anchors(page: Path) -> set[str]:
 def test_every_link_between_the_docs_resolves():
     """A link from one of the repository's Markdown pages to a file of the repository names a file that exists and,
     with ``#anchor``, a heading of it: the benchmark page's sections are renamed as figures change."""
-    pages = sorted(p for p in ROOT.glob("**/*.md") if ".venv" not in p.parts and "node_modules" not in p.parts
-                   and not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+    pages = []
+    for folder, subfolders, files in os.walk(ROOT):
+        # not into .venv, .git, caches or node_modules: pages of other projects
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "node_modules"]
+        pages += [Path(folder) / f for f in files if f.endswith(".md")]
     assert ROOT / "README.md" in pages and ROOT / "docs" / "benchmarks.md" in pages
+    anchors = functools.cache(_heading_anchors)  # a page is linked many times
     broken = []
-    for page in pages:
+    for page in sorted(pages):
         for target, anchor in re.findall(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([^)\s]+))?\)", page.read_text()):
             linked = (page.parent / target).resolve() if target else page
             if not linked.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target} (no such file)")
-            elif anchor and linked.suffix == ".md" and anchor not in _heading_anchors(linked):
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
                 broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor} (no such heading)")
     assert not broken, "broken links between the docs:\n" + "\n".join(broken)
