@@ -7,7 +7,8 @@
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
-prompts per generate call (default 1: one prompt at a time), ``--max-tokens`` each. After a warm-up request, the
+prompts per generate call (default 1: one prompt at a time), ``--max-tokens`` each, compiled as vLLM's default
+(``--enforce-eager`` for the eager forward). After a warm-up request, the
 functions of :data:`TIMED` are wrapped with ``perf_counter`` timers. Printed per method: tok/s, engine steps, ms per
 step, the model forward's median per token count, and each timed function's milliseconds per engine step (inclusive;
 nested functions count in both). The wrappers cost about a microsecond per call, so functions called per layer read
@@ -149,7 +150,7 @@ def run_child(args: argparse.Namespace) -> None:
     cpu_memory_defaults()
     llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.batch_size,
-              enforce_eager=True, seed=0, speculative_config=json.loads(args.child))
+              enforce_eager=args.enforce_eager, seed=0, speculative_config=json.loads(args.child))
     tokenizer = llm.get_tokenizer()
     questions = [q for qs in load_questions(args.prompts.split(","), None).values() for q in qs]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated labels of methods whose tree verifier never drafts (plain steps only)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the methods this many times, in reverse order every other time; medians at the end")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip torch.compile, as vllm-treespec bench's option (default: vLLM's default, compiled; "
+                        "an engine then starts in ~1.5 min instead of ~30 s here)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--never-draft", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -219,12 +223,13 @@ def main() -> int:
     for repeat in range(args.repeats):
         for spec in round_order(specs, repeat):
             never = spec.label in plain
-            print(f"== {spec.label} ({args.dtype}{', never drafts' if never else ''}"
+            print(f"== {spec.label} ({args.dtype}, {'eager' if args.enforce_eager else 'compiled'}"
+                  f"{', never drafts' if never else ''}"
                   f"{f', repeat {repeat + 1}' if args.repeats > 1 else ''})", flush=True)
             command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()),
                        "--dtype", args.dtype, "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
                        "--max-model-len", str(args.max_model_len),
-                       "--batch-size", str(args.batch_size)] + (
+                       "--batch-size", str(args.batch_size)] + (["--enforce-eager"] if args.enforce_eager else []) + (
                            ["--model", args.model] if args.model else []) + (["--never-draft"] if never else [])
             result = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
