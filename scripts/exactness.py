@@ -1,7 +1,7 @@
 """Greedy exactness sweep: tree speculation vs no speculation on real prompts, fp32, one run.
 
     .venv/bin/python scripts/exactness.py [--methods static_tree,suffix_tree,graft] [--mt-bench 80] [--humaneval 40]
-                                          [--max-tokens 64] [--batch-sizes 8,1] [--compile]
+                                          [--max-tokens 64] [--batch-sizes 8,1] [--compile] [--options JSON]
 
 ``--compile``: engines as vLLM starts them by default, the model compiled (torch.compile, inductor), instead of eager
 (each engine then starts in ~1.5 min on a 2-core CPU, against ~15 s).
@@ -29,6 +29,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="8,1")
     parser.add_argument("--num-speculative-tokens", type=int, default=32)
+    parser.add_argument("--options", type=json.loads, default={},
+                        help="speculative-config keys added to every method's, e.g. '{\"mode\": \"hidden\"}' for "
+                        "kv_aware on the shipped EAGLE-3 head")
     parser.add_argument("--compile", action="store_true",
                         help="compile the model, vLLM's default (default here: eager, as the tests run)")
     args = parser.parse_args()
@@ -56,8 +59,8 @@ def main() -> int:
     failures = 0
     report = []
     for method in args.methods.split(","):
-        llm = make_llm(model, {"method": method, "num_speculative_tokens": args.num_speculative_tokens},
-                       **engine_options)
+        llm = make_llm(model, {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                               **args.options}, **engine_options)
         try:
             for batch in batch_sizes:
                 before = spec_counters(llm)
