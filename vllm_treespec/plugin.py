@@ -48,10 +48,11 @@ def register() -> None:
                        "Install a supported vLLM or set %s=1 to try anyway.",
                        version, ", ".join(p + "x" for p in SUPPORTED_VLLM_PREFIXES), SKIP_VERSION_CHECK_ENV)
         return
-    from vllm_treespec.patches import cpu_gemm, engine_args, forward_times, triton_dispatcher
+    from vllm_treespec.patches import compile_cache, cpu_gemm, engine_args, forward_times, triton_dispatcher
 
     engine_args.apply(activate_tree_mode)
     cpu_gemm.apply()  # every CPU engine, speculative or not: no speculation is measured on the same linear
+    compile_cache.apply()  # every compiled CPU engine loads its model from vLLM's cache (keyed by our linears)
     forward_times.apply()  # only where a benchmark asks (VLLM_TREESPEC_FORWARD_TIMES=1): every engine's speed
     # every CPU engine too: once this package has imported numba (llvmlite), vLLM's kernel scan in an in-process
     # worker crashes, speculative or not

@@ -60,3 +60,34 @@ def test_in_process_engine_runs_a_numba_tree_method():
     # as trees: the engine without speculation, built first, must not pin the stock attention backend
     log = result.stdout + result.stderr
     assert "tree verification active" in log and "tree verification is off" not in log
+
+
+@pytest.mark.engine
+def test_a_compiled_engine_loads_its_model_from_vllms_compile_cache(tmp_path):
+    """vLLM 0.32 saves a compiled CPU model but fails to load it ('finalize_loading') and compiles at every start.
+    With the plugin a later start loads it, in a fresh process and again in the same process (our CPU linear's
+    ids do not depend on what was built before), and decodes the same tokens as the engine that compiled it."""
+    from vllm_treespec.tools.models import ensure_tiny_llama
+
+    code = f"""
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            for _ in range(ENGINES):
+                llm = LLM(model={str(ensure_tiny_llama())!r}, dtype="float32", max_model_len=256,
+                          max_num_batched_tokens=256, max_num_seqs=4, seed=0)
+                out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16),
+                                   use_tqdm=False)
+                print("TOKENS", list(out[0].outputs[0].token_ids))
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+        """
+    env = {"VLLM_CACHE_ROOT": str(tmp_path), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    compiled = run_python(code.replace("ENGINES", "1"), env)
+    compiled_log = compiled.stdout + compiled.stderr
+    assert "saved AOT compiled function" in compiled_log, compiled.stderr[-3000:]
+    loaded = run_python(code.replace("ENGINES", "2"), env)
+    log = loaded.stdout + loaded.stderr
+    assert log.count("Directly load AOT compilation") == 2, loaded.stderr[-3000:]
+    assert "Compiling model again" not in log and "saved AOT compiled function" not in log
+    tokens = [line for line in (compiled.stdout + loaded.stdout).splitlines() if line.startswith("TOKENS")]
+    assert len(tokens) == 3 and len(set(tokens)) == 1

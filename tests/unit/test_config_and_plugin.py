@@ -57,8 +57,9 @@ def test_vllm_methods_pass_through_and_dotted_paths_select_tree_mode():
 def test_patch_signatures_match_installed_vllm():
     from vllm_treespec.patches import EXPECTED_SIGNATURES, check_signatures, engine_args, model_runner
     from vllm_treespec.attn import flash  # noqa: F401 - records the FlashAttention methods it overrides
-    from vllm_treespec.patches import (cpu_gemm, cpu_worker, cudagraph_dispatcher, draft_delivery, forward_times,
-                                       gpu_worker, rejection_sampler, topk_topp_sampler, triton_dispatcher)
+    from vllm_treespec.patches import (compile_cache, cpu_gemm, cpu_worker, cudagraph_dispatcher, draft_delivery,
+                                       forward_times, gpu_worker, rejection_sampler, topk_topp_sampler,
+                                       triton_dispatcher)
     from vllm_treespec.plugin import activate_tree_mode
 
     engine_args.apply(activate_tree_mode)
@@ -71,8 +72,9 @@ def test_patch_signatures_match_installed_vllm():
     gpu_worker.apply()  # GPU only; its signature is recorded on every platform
     draft_delivery.apply()
     cpu_gemm.apply()
+    compile_cache.install()
     forward_times.install()  # only where a benchmark sets VLLM_TREESPEC_FORWARD_TIMES; its signature checked always
-    assert len(EXPECTED_SIGNATURES) == 22
+    assert len(EXPECTED_SIGNATURES) == 24
     assert check_signatures() == []
 
 

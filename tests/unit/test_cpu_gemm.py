@@ -255,3 +255,34 @@ def test_under_torch_compile_the_linear_is_one_opaque_op():
     empty = torch.empty(0)
     compiled = torch.compile(lambda v, w: compact(v, w, None) + 1, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x.float(), empty), compact(x.float()) + 1)
+
+
+def test_a_linears_id_comes_from_what_it_computes_and_outlives_any_one_holder():
+    """A compiled graph holds the linear's id, and vLLM's compile cache hands that graph to later engines: the id is
+    the same for the same weight in any engine or process, differs for another weight or dtype, and is served
+    while any linear of that content lives."""
+    import gc
+
+    from vllm_treespec.cpu_gemm import numba_linear
+
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(SHAPES[1], generator=generator) * 0.05).to(torch.bfloat16)
+    first, second = NumbaLinear(weight), NumbaLinear(weight.clone())
+    assert first.linear_id == second.linear_id
+    changed = weight.clone()
+    changed[3, 5] += 1
+    assert NumbaLinear(changed).linear_id != first.linear_id
+    as_fp32 = NumbaLinear(weight.float())  # the same bf16 bits packed, but an fp32 output
+    assert as_fp32.linear_id != first.linear_id and as_fp32.compact
+
+    x = torch.randn(3, weight.shape[1], generator=generator).to(torch.bfloat16)
+    expected, linear_id = first(x), first.linear_id
+    del first
+    gc.collect()
+    # what a graph compiled on the first linear calls: served by its twin
+    assert torch.equal(torch.ops.vllm_treespec.numba_linear(x, None, linear_id), expected)
+    del second
+    gc.collect()
+    with pytest.raises(KeyError, match="no live CPU linear"):
+        numba_linear(x, None, linear_id)
+    assert NumbaLinear(weight).linear_id == linear_id  # a later engine's linear answers to it again
