@@ -48,8 +48,9 @@ def resolve_checkpoint(value: str | None, what: str, mode: str = "hidden") -> st
         path = default_kv_head_path(mode)
         if not (path / "config.json").is_file():
             flag = "" if mode == "hidden" else f" --mode {mode}"
+            shipped = "" if mode == "hidden" else ', or set "mode": "hidden" to draft with the shipped EAGLE-3 head'
             raise ValueError(f"{what}: no checkpoint given and no default head at {path}; train one with "
-                             f"`vllm-treespec train-eagle{flag} -o {path}` or pass a checkpoint folder")
+                             f"`vllm-treespec train-eagle{flag} -o {path}` or pass a checkpoint folder{shipped}")
         return str(path)
     if not (Path(value) / "config.json").is_file():
         raise ValueError(f"{what}: {value!r} is not a draft-head checkpoint folder (no config.json)")

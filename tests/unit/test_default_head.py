@@ -102,6 +102,9 @@ def test_eagle_tree_without_checkpoint_uses_the_default_head(tmp_path, head_dirs
     trained, shipped = head_dirs
     with pytest.raises(ValueError, match="no checkpoint given and no default head.*train-eagle"):
         EagleTreeOptions()
+    # kv_aware's default mode has no shipped head: the error names the mode that has one
+    with pytest.raises(ValueError, match='train-eagle --mode hybrid.*"mode": "hidden"'):
+        KVAwareOptions()
     place_head(tmp_path, shipped)
     assert EagleTreeOptions().resolved_checkpoint() == str(shipped)
     assert KVAwareOptions(mode="hidden").resolved_checkpoint() == str(shipped)
