@@ -52,7 +52,8 @@ from .assemble import AssembledTree, assemble, assemble_tree
 from .budget import BudgetCurve, budget_curve
 from .calibration import CALIBRATION_VERSION, GraftCalibration, check_checkpoints, check_thresholds, load_calibration
 from .drafter import MODEL_SOURCE, EagleModelDrafter, ModelDrafter, load_model_drafter
-from .growth import DraftGrowth, DraftLevel, draft_tree_levels, first_checkpoint_confidence, grow_draft, tree_levels
+from .growth import (DraftGrowth, DraftLevel, draft_tree_levels, first_checkpoint_confidence, grow_draft,
+                     grow_draft_tree, grow_retrieved, tree_levels)
 from .options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, GraftOptions, GraftPosition, SourceName
 from .proposer import GraftProposer, GraftStats
 from .sources import FALLBACK_VOCAB_SIZE, SEED_CONFIDENCE, RetrievalSources
@@ -64,5 +65,5 @@ __all__ = [
     "DraftGrowth", "DraftLevel", "EagleModelDrafter", "GraftCalibration", "GraftOptions", "GraftPosition",
     "GraftProposer", "GraftStats", "ModelDrafter", "RetrievalSources", "SourceName", "assemble", "assemble_tree",
     "budget_curve", "check_checkpoints", "check_thresholds", "draft_tree_levels", "first_checkpoint_confidence",
-    "grow_draft", "load_calibration", "load_model_drafter", "tree_levels",
+    "grow_draft", "grow_draft_tree", "grow_retrieved", "load_calibration", "load_model_drafter", "tree_levels",
 ]

@@ -20,8 +20,8 @@ from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree
 from vllm_treespec.proposers.graft.budget import budget_curve
 from vllm_treespec.proposers.graft.calibration import load_calibration
 from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter, check_head_path, load_model_drafter
-from vllm_treespec.proposers.graft.growth import (DraftGrowth, draft_tree_levels, first_checkpoint_confidence,
-                                                  grow_draft, tree_levels)
+from vllm_treespec.proposers.graft.growth import (DraftGrowth, compile_growth_kernel, first_checkpoint_confidence,
+                                                  grow_draft_tree, grow_retrieved)
 from vllm_treespec.proposers.graft.options import DEFAULT_CHECKPOINTS, DEFAULT_THRESHOLDS, NAMED_HEADS, GraftOptions
 from vllm_treespec.proposers.graft.sources import (FALLBACK_VOCAB_SIZE, MATCHED_SOURCES, RetrievalSources,
                                                    match_class, match_class_sources)
@@ -246,7 +246,7 @@ class GraftProposer(TreeProposer):
     def _model_drafts(self, ctx: ProposeContext, rows: list[int], budget: int) -> dict[int, DraftGrowth]:
         """The drafter's trees, cut to the budget and pruned at the checkpoints; a row the drafter could not draft
         (no hidden states yet, head not loaded) gets a retrieval-only tree."""
-        growths = {i: grow_draft(draft_tree_levels(t), budget, self.checkpoints, self.options.max_depth)
+        growths = {i: grow_draft_tree(t, budget, self.checkpoints, self.options.max_depth)
                    for i, t in self.drafter.draft(ctx, rows).items()}
         return {i: g for i, g in growths.items() if len(g)}
 
@@ -283,7 +283,7 @@ class GraftProposer(TreeProposer):
     def _retrieval_draft(self, found: dict[str, RetrievedTree], budget: int) -> tuple[str, DraftGrowth]:
         """The draft without a model drafter: the most confident source's tree, pruned at the checkpoints."""
         source = self._most_confident(found)
-        return source, grow_draft(tree_levels(found[source]), budget, self.checkpoints, self.options.max_depth)
+        return source, grow_retrieved(found[source], budget, self.checkpoints, self.options.max_depth)
 
     def _assemble(self, req_id: str, context: np.ndarray, draft: DraftGrowth, draft_source: str,
                   found: dict[str, RetrievedTree], budget: int, floor: float) -> AssembledTree:
@@ -364,6 +364,7 @@ class GraftProposer(TreeProposer):
     def load_model(self, model: Any) -> None:
         super().load_model(model)
         compile_retrieval_kernels()
+        compile_growth_kernel()
         if self.drafter is not None:
             self.drafter.load_model(model)
 

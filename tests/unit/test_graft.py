@@ -20,7 +20,7 @@ from vllm_treespec.proposers.graft.assemble import assemble, assemble_tree
 from vllm_treespec.proposers.graft.budget import BudgetCurve
 from vllm_treespec.proposers.graft.calibration import load_calibration
 from vllm_treespec.proposers.graft.drafter import MODEL_SOURCE, ModelDrafter
-from vllm_treespec.proposers.graft.growth import DraftGrowth, DraftLevel
+from vllm_treespec.proposers.graft.growth import DraftGrowth, DraftLevel, grow_draft
 from vllm_treespec.proposers.graft.sources import MATCH_CLASSES, match_class, match_class_sources
 from vllm_treespec.pruning import below_checkpoint
 from vllm_treespec.tools.graft_calibrate import (CostModel, Episode, accepted_path, budget_table,
@@ -546,6 +546,32 @@ def test_draft_tree_levels_renumber_parents_first():
     assert [lv.token_ids.tolist() for lv in levels] == [[5, 6], [7, 8], [9]]
     assert [lv.parents.tolist() for lv in levels] == [[-1, -1], [0, 1], [2]]
     assert np.allclose(np.exp(np.concatenate([lv.log_probs for lv in levels])), [0.5, 0.25, 1.0, 0.5, 0.125])
+
+
+def test_the_compiled_growth_grows_every_tree_as_the_level_by_level_one():
+    """DraftGrowth.grown (one Numba pass, what graft runs) keeps the same nodes, numbering, scores, depth and pruning
+    as grow_draft over the tree's levels, on random trees: partial levels, ties between equal scores (few distinct
+    probabilities), checkpoints that prune and max_depth."""
+    from vllm_treespec.proposers.graft.growth import draft_tree_levels, grow_draft_tree
+
+    rng = np.random.default_rng(11)
+    fields = ("tokens", "parents", "log_scores", "depths", "depth", "pruned_at")
+    pruned = partial = 0
+    for case in range(400):
+        n = int(rng.integers(0, 40))
+        parents = np.array([int(rng.integers(-1, i)) if i else -1 for i in range(n)], np.int64)
+        probs = rng.choice([0.05, 0.25, 0.5, 0.9, 1.0], size=n).astype(np.float32)
+        tree = DraftTree(rng.integers(0, VOCAB, size=n), parents, probs)
+        budget, max_depth = int(rng.integers(0, 24)), int(rng.integers(1, 8))
+        checkpoints = {int(d): float(t) for d, t in zip(rng.choice(6, size=2, replace=False) + 1,
+                                                        rng.choice([0.0, 0.1, 0.3, 0.6], size=2))}
+        expected = grow_draft(draft_tree_levels(tree), budget, checkpoints, max_depth)
+        got = grow_draft_tree(tree, budget, checkpoints, max_depth)
+        for name in fields:
+            assert getattr(got, name) == getattr(expected, name), (case, name)
+        pruned += expected.pruned_at is not None
+        partial += 0 < len(expected) == budget
+    assert pruned > 20 and partial > 20  # the cases cover pruning and budget-cut levels
 
 
 def test_checkpoints_reach_the_eagle_head_so_pruned_levels_are_never_drafted(tmp_path):
