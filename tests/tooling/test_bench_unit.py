@@ -255,8 +255,8 @@ def test_bench_serve_pairs_rounds_at_equal_engine_speed(tmp_path):
 
     def entry(label, rates, forward_ms, pid):
         e = _serve_entry(label, {"4": rates}, pid)
-        records = [(10.0 + j, 4, forward_ms) for j in range(25)] + [(10.5, 3, 999.0)]  # the level's tail
-        records += [(50.0 + j, 4, 1.0) for j in range(30)]  # another level's window
+        records = [(10.0 + j, 4, forward_ms, None) for j in range(25)] + [(10.5, 3, 999.0, None)]  # the tail
+        records += [(50.0 + j, 4, 1.0, None) for j in range(30)]  # another level's window (files without contexts)
         add_forward_times(e, records, {"4": (10.0, 40.0)})
         return e
 
@@ -270,15 +270,44 @@ def test_bench_serve_pairs_rounds_at_equal_engine_speed(tmp_path):
     assert level["rounds_vs_none"] == pytest.approx([0.9, 1.2, 0.9])
     assert level["rounds_vs_none_equal_speed"] == pytest.approx([0.9 * 45 / 40, 1.2 * 44 / 50, 0.9 * 30 / 40])
     assert level["vs_none_paired_equal_speed"] == pytest.approx(0.9 * 45 / 40)  # rounds 1.01 / 1.06 / 0.68
+    assert level["equal_speed_by"] == "median"
     row = next(line for line in format_table([none, graft]).splitlines() if line.startswith("graft"))
     assert row.split()[4:7] == ["0.96x", "0.90x", "1.01x"]  # vs none, paired, paired at equal engine speed
     assert row.endswith("45.0 / 44.0 / 30.0 ms")
     few = _serve_entry("graft", {"4": 45.0}, 7)
-    add_forward_times(few, [(10.0 + j, 4, 40.0) for j in range(5)], {"4": (10.0, 40.0)})
+    add_forward_times(few, [(10.0 + j, 4, 40.0, None) for j in range(5)], {"4": (10.0, 40.0)})
     assert few["levels"]["4"]["plain_forward"] is None  # too few forwards to read a speed from
     sparse = merge_rounds([few, entry("graft", 48.0, 40.0, 8), entry("graft", 54.0, 30.0, 9)])
     add_ratios([none, sparse])
     assert "vs_none_paired" in sparse["levels"]["4"] and "vs_none_paired_equal_speed" not in sparse["levels"]["4"]
+
+
+def test_bench_serve_compares_plain_forwards_at_one_context():
+    """Two servers whose forwards take the same time at the same context, but whose plain steps ran at different
+    contexts (a gate that drafts on the short-context steps leaves the long ones plain): their medians differ, and
+    the paired ratio at equal engine speed is the raw one, read at no speculation's context; a server twice as slow
+    at every context counts twice as slow."""
+    from vllm_treespec.tools.bench_serve import add_forward_times, add_ratios, merge_rounds
+
+    def entry(label, rate, contexts, pid, speed=1.0):
+        e = _serve_entry(label, {"8": rate}, pid)
+        records = [(10.0 + j, 8, speed * (40.0 + 4.0 * c / 1000.0), c) for j, c in enumerate(contexts)]
+        add_forward_times(e, records, {"8": (10.0, 100.0)})
+        return e
+
+    short, long = list(range(1000, 4000, 100)), list(range(3000, 6000, 100))
+    none = merge_rounds([entry("none", 60.0, short, 1), entry("none", 60.0, short, 2)])
+    graft = merge_rounds([entry("graft", 57.0, long, 3), entry("graft", 57.0, long, 4)])
+    plain = graft["levels"]["8"]["plain_forward"]
+    assert plain["fit"] == pytest.approx([40.0, 4.0]) and plain["context"] == pytest.approx(4450.0)
+    assert plain["ms"] > none["levels"]["8"]["plain_forward"]["ms"] + 7  # the medians: 57.8 against 49.8 ms
+    add_ratios([none, graft])
+    level = graft["levels"]["8"]
+    assert level["equal_speed_by"] == "context"
+    assert level["vs_none_paired_equal_speed"] == pytest.approx(0.95)  # the same speed: the raw ratio
+    slow = merge_rounds([entry("graft", 30.0, long, 5, speed=2.0), entry("graft", 30.0, long, 6, speed=2.0)])
+    add_ratios([none, slow])
+    assert slow["levels"]["8"]["vs_none_paired_equal_speed"] == pytest.approx(1.0)  # half the rate, twice as slow
 
 
 def test_bench_serve_rejects_bad_repeats(capsys):

@@ -70,7 +70,8 @@ def test_a_server_writes_its_plain_forwards_and_a_level_reads_its_window(monkeyp
     paths = trace.files(base)
     assert [p.name for p in paths] == [f"forwards-graft-r1.txt.{forward_times.os.getpid()}"]
     records = forward_times.read_trace(paths)
-    assert [(r, round(ms, 3)) for _, r, ms in records] == [(4, 50.0), (4, 70.0), (4, 60.0), (2, 40.0)]
+    assert [(r, round(ms, 3), context) for _, r, ms, context in records] == [
+        (4, 50.0, None), (4, 70.0, None), (4, 60.0, None), (2, 40.0, None)]  # no positions given: no context
     assert records[0][0] == pytest.approx(1000.0)  # when the forward started, on the client's clock
     assert forward_times.window_reading(records, 999.0, 2000.0, min_count=3) == (pytest.approx(60.0), 4, 3)
     assert forward_times.window_reading(records, 999.0, 2000.0, min_count=4) is None  # too few to count
@@ -80,3 +81,33 @@ def test_a_server_writes_its_plain_forwards_and_a_level_reads_its_window(monkeyp
     assert len(forward_times.read_trace(paths)) == 4
     trace.clear(base)
     assert trace.files(base) == []
+
+
+def test_a_plain_forward_records_its_context_and_a_level_fits_its_forwards_to_it(monkeypatch, tmp_path):
+    """The fourth field is the requests' summed sequence lengths (positions + 1); a window's forwards of one request
+    count fit a line in that context, so two servers compare at one context."""
+    base = tmp_path / "forwards-none-r1.txt"
+    monkeypatch.setenv(forward_times.FORWARD_TIMES_FILE_ENV, str(base))
+    monkeypatch.setattr(forward_times, "_sink", [])
+    clock = [0.0]
+    monkeypatch.setattr(forward_times.time, "perf_counter", lambda: clock[-1])
+    monkeypatch.setattr(forward_times.time, "time", lambda: 1000.0 + clock[-1])
+
+    def original(self, input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs):
+        clock.append(clock[-1] + (20.0 + 5.0 * (int(positions.sum()) + 4) / 1000.0) / 1e3)  # 20 ms + 5 per 1000
+        return input_ids
+
+    four = FakeRunner("cpu", 4)
+    for start in (100, 400, 900, 1500):
+        positions = torch.arange(start, start + 4)  # each request's last position: sequence lengths start+1...
+        forward_times.model_forward(original, four, input_ids=torch.zeros(4, dtype=torch.long), positions=positions)
+    forward_times._sink[0].close()
+    records = forward_times.read_trace(trace.files(base))
+    assert [context for *_, context in records] == [4 * s + 6 + 4 for s in (100, 400, 900, 1500)]
+    intercept, slope, median = forward_times.window_fit(records, 999.0, 2000.0, reqs=4, min_count=4)
+    assert (intercept, slope) == (pytest.approx(20.0, abs=1e-3), pytest.approx(5.0, abs=1e-3))
+    assert median == pytest.approx((1610 + 3610) / 2)
+    assert forward_times.window_fit(records, 999.0, 2000.0, reqs=4, min_count=5) is None  # too few
+    assert forward_times.window_fit(records, 999.0, 2000.0, reqs=2, min_count=1) is None  # none of 2 requests
+    one_context = [(1000.0 + j, 4, 30.0, 500) for j in range(5)]
+    assert forward_times.window_fit(one_context, 999.0, 2000.0, reqs=4, min_count=1) is None  # no line through one

@@ -11,9 +11,10 @@ Off unless ``VLLM_TREESPEC_FORWARD_TIMES=1`` is set when the engine starts (the 
 in every process of the engine, speculative or not. A GPU forward returns before it ends, so nothing is recorded
 there. ``VLLM_TREESPEC_FORWARD_TIMES_FILE=/path/forwards.txt`` (``bench serve`` sets it for each server) also turns
 it on, and each worker appends a line per plain forward to ``/path/forwards.txt.<pid>`` — its start (wall clock, as
-``time.time()``), the requests and the milliseconds — which :func:`read_trace` and :func:`window_reading` read back
-per load level (the files are named as the budget trace's: :func:`vllm_treespec.cost.trace.files` lists them): a
-server has no ``collective_rpc`` to ask.
+``time.time()``), the requests, the milliseconds and the requests' summed sequence lengths — which
+:func:`read_trace`, :func:`window_reading` and :func:`window_fit` read back per load level (the files are named
+as the budget trace's: :func:`vllm_treespec.cost.trace.files` lists them): a server has no ``collective_rpc`` to
+ask.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import IO, Any, Iterable
+
+import numpy as np
 
 from vllm_treespec.patches import is_patched, wrap_method
 
@@ -69,7 +72,10 @@ def model_forward(original, self, input_ids=None, positions=None, intermediate_t
         _seconds.setdefault(num_reqs, []).append(seconds)
         sink = _trace_file()
         if sink is not None:
-            sink.write(f"{time.time() - seconds:.6f} {num_reqs} {seconds * 1e3:.4f}\n")
+            # each request's sequence length is its position + 1 (M-RoPE's 2-D positions: not recorded)
+            context = "" if positions is None or positions.dim() != 1 else \
+                f" {int(positions[:num_reqs].sum()) + num_reqs}"
+            sink.write(f"{time.time() - seconds:.6f} {num_reqs} {seconds * 1e3:.4f}{context}\n")
     return output
 
 
@@ -82,25 +88,27 @@ def read_forward_times(worker: Any = None, reset: bool = False) -> dict[int, tup
     return reading
 
 
-def read_trace(paths: Iterable[Path]) -> list[tuple[float, int, float]]:
-    """(start, requests, ms) of every plain forward in the files, in time order (a torn line is skipped)."""
+def read_trace(paths: Iterable[Path]) -> list[tuple[float, int, float, int | None]]:
+    """(start, requests, ms, context) of every plain forward in the files, in time order (a torn line is skipped;
+    context, the requests' summed sequence lengths, is None in files written before it was recorded)."""
     records = []
     for path in paths:
         for line in Path(path).read_text().splitlines():
             fields = line.split()
             try:
-                records.append((float(fields[0]), int(fields[1]), float(fields[2])))
+                context = int(fields[3]) if len(fields) > 3 else None
+                records.append((float(fields[0]), int(fields[1]), float(fields[2]), context))
             except (IndexError, ValueError):
                 continue
-    return sorted(records)
+    return sorted(records, key=lambda r: r[:3])
 
 
-def window_reading(records: list[tuple[float, int, float]], start: float, end: float, min_count: int
+def window_reading(records: list[tuple[float, int, float, int | None]], start: float, end: float, min_count: int
                    ) -> tuple[float, int, int] | None:
     """(median ms, requests, count) of the plain forwards that started in [start, end), at the request count most of
     them had (a load level's: the others are its ramp-up and its tail); None with fewer than ``min_count``."""
     by_reqs: dict[int, list[float]] = collections.defaultdict(list)
-    for started, reqs, ms in records:
+    for started, reqs, ms, _ in records:
         if start <= started < end:
             by_reqs[reqs].append(ms)
     if not by_reqs:
@@ -108,6 +116,24 @@ def window_reading(records: list[tuple[float, int, float]], start: float, end: f
     reqs = max(by_reqs, key=lambda r: (len(by_reqs[r]), r))
     times = by_reqs[reqs]
     return (statistics.median(times), reqs, len(times)) if len(times) >= min_count else None
+
+
+def window_fit(records: list[tuple[float, int, float, int | None]], start: float, end: float, reqs: int,
+               min_count: int) -> tuple[float, float, float] | None:
+    """The plain forwards of ``reqs`` requests that started in [start, end) as a line in their context: (ms at no
+    context, ms per 1000 tokens of context, median context). Two servers' plain forwards compare at one context
+    through it: a server's gate can leave different steps plain (graft drafted on the short-context steps and ran
+    the long ones plain), and then their medians compare different steps. None with fewer than ``min_count`` forwards
+    that recorded a context, or all at one context."""
+    points = [(context, ms) for started, r, ms, context in records
+              if start <= started < end and r == reqs and context is not None]
+    if len(points) < min_count:
+        return None
+    contexts, times = np.array(points, np.float64).T
+    if np.ptp(contexts) <= 0:
+        return None
+    slope, intercept = np.polyfit(contexts / 1000.0, times, 1)
+    return float(intercept), float(slope), float(np.median(contexts))
 
 
 def install() -> None:

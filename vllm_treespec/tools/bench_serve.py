@@ -20,9 +20,14 @@ speculation's same level run a minute or two apart instead of a whole sweep apar
 Each server's worker also writes the time of every plain decode forward
 (:mod:`vllm_treespec.patches.forward_times`, ``VLLM_TREESPEC_FORWARD_TIMES_FILE``), and each level reports its
 server's median plain forward at the level's usual request count and, with rounds, the paired ratio at equal engine
-speed: each round's ratio times the method's median plain forward over no speculation's in that round (servers of one
-configuration started minutes apart run at different speeds for their whole life; the raw paired ratio stays the
-figure of record).
+speed: each round's ratio times how much longer the method's plain forward took than no speculation's in that round
+(servers of one configuration started minutes apart run at different speeds for their whole life; the raw paired
+ratio stays the figure of record). The forwards record their requests' summed sequence lengths, and the two servers
+are compared at one context (each server's line of ms in context, read at no speculation's median context): a gate
+that prices rows by their context leaves the long-context steps plain, and the servers' medians then compared
+different steps (graft's plain forwards at 8 requests read 3-11 ms slower than no speculation's while a graft
+engine that never drafts ran at its speed). ``equal_speed_by`` says which was used: ``context``, or ``median`` for
+forwards files without contexts.
 """
 
 from __future__ import annotations
@@ -240,15 +245,22 @@ def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.
     return entries
 
 
-def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, float]],
+def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, float, int | None]],
                       windows: dict[str, tuple[float, float]]) -> None:
     """Each level's ``plain_forward``: the server's median plain forward at the level's usual request count
-    (``{"ms", "reqs", "count"}``), None where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+    (``{"ms", "reqs", "count"}``), and where the forwards recorded their context, the line they follow in it
+    (``"fit"``: ms at no context and per 1000 tokens of context,
+    :func:`~vllm_treespec.patches.forward_times.window_fit`) and their median context (``"context"``); None where it
+    ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
     for level, (start, end) in windows.items():
         if level in entry["levels"]:
             reading = forward_times.window_reading(records, start, end, MIN_PLAIN_FORWARDS)
-            entry["levels"][level]["plain_forward"] = (
-                None if reading is None else {"ms": reading[0], "reqs": reading[1], "count": reading[2]})
+            plain = None if reading is None else {"ms": reading[0], "reqs": reading[1], "count": reading[2]}
+            fit = None if reading is None else forward_times.window_fit(records, start, end, reading[1],
+                                                                        MIN_PLAIN_FORWARDS)
+            if fit is not None:
+                plain.update(fit=[fit[0], fit[1]], context=fit[2])
+            entry["levels"][level]["plain_forward"] = plain
 
 
 def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
@@ -286,6 +298,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         merged["levels"][level] = {**per_round[rates.index(median)], "rounds_tok_per_s": rates,
                                    "rounds_plain_forward_ms": [(s.get("plain_forward") or {}).get("ms")
                                                                for s in per_round],
+                                   "rounds_plain_forward": [s.get("plain_forward") for s in per_round],
                                    "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round],
                                    "rounds_window": [s.get("window") for s in per_round]}
     return merged
@@ -317,13 +330,32 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
             if len(pairs) > 1 and min(theirs[j] for _, j in pairs) > 0:
                 s["rounds_vs_none"] = [mine[i] / theirs[j] for i, j in pairs]
                 s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
-                mine_ms = [s["rounds_plain_forward_ms"][i] for i, _ in pairs]
-                theirs_ms = [b["rounds_plain_forward_ms"][j] for _, j in pairs]
-                if None not in mine_ms + theirs_ms:
+                speeds = relative_speeds([(s.get("rounds_plain_forward") or [None] * len(mine))[i] for i, _ in pairs],
+                                         [(b.get("rounds_plain_forward") or [None] * len(theirs))[j]
+                                          for _, j in pairs])
+                if speeds is not None:
                     # each server's tok/s at the speed of the other: times its plain forward over the other's
-                    s["rounds_vs_none_equal_speed"] = [ratio * x / y for ratio, x, y in
-                                                       zip(s["rounds_vs_none"], mine_ms, theirs_ms)]
+                    s["rounds_vs_none_equal_speed"] = [ratio * x for ratio, x in
+                                                       zip(s["rounds_vs_none"], speeds[0])]
                     s["vs_none_paired_equal_speed"] = statistics.median(s["rounds_vs_none_equal_speed"])
+                    s["equal_speed_by"] = speeds[1]
+
+
+def relative_speeds(mine: list[dict[str, Any] | None], theirs: list[dict[str, Any] | None]
+                    ) -> tuple[list[float], str] | None:
+    """Per paired round, how much longer a plain forward of ``mine``'s server took than one of ``theirs`` (each a
+    level's ``plain_forward``), and how they were compared: ``"context"`` where every round of both recorded the
+    line its forwards follow in their context (each server's line read at the context of ``theirs``' median plain
+    forward: the same steps, whichever a gate left plain), else ``"median"`` (the servers' median plain forwards,
+    which compare different steps when a gate drafts by context); None where a round has no reading."""
+    if any(m is None for m in mine + theirs):
+        return None
+    if all("fit" in m for m in mine + theirs):
+        def at(plain: dict[str, Any], context: float) -> float:
+            return plain["fit"][0] + plain["fit"][1] * context / 1000.0
+
+        return [at(m, t["context"]) / at(t, t["context"]) for m, t in zip(mine, theirs)], "context"
+    return [m["ms"] / t["ms"] for m, t in zip(mine, theirs)], "median"
 
 
 def own_plain_ratio(level: dict[str, Any]) -> float | None:
