@@ -295,12 +295,13 @@ def test_bench_serve_compares_plain_forwards_at_one_context():
         add_forward_times(e, records, {"8": (10.0, 100.0)})
         return e
 
-    short, long = list(range(1000, 4000, 100)), list(range(3000, 6000, 100))
+    short, long = list(range(1000, 4000, 100)), list(range(2000, 5000, 100))
     none = merge_rounds([entry("none", 60.0, short, 1), entry("none", 60.0, short, 2)])
     graft = merge_rounds([entry("graft", 57.0, long, 3), entry("graft", 57.0, long, 4)])
     plain = graft["levels"]["8"]["plain_forward"]
-    assert plain["fit"] == pytest.approx([40.0, 4.0]) and plain["context"] == pytest.approx(4450.0)
-    assert plain["ms"] > none["levels"]["8"]["plain_forward"]["ms"] + 7  # the medians: 57.8 against 49.8 ms
+    assert plain["fit"] == pytest.approx([40.0, 4.0]) and plain["context"] == pytest.approx(3450.0)
+    assert plain["context_range"][0] < none["levels"]["8"]["plain_forward"]["context"] < plain["context_range"][1]
+    assert plain["ms"] > none["levels"]["8"]["plain_forward"]["ms"] + 3  # the medians: 53.8 against 49.8 ms
     add_ratios([none, graft])
     level = graft["levels"]["8"]
     assert level["equal_speed_by"] == "context"
@@ -308,6 +309,11 @@ def test_bench_serve_compares_plain_forwards_at_one_context():
     slow = merge_rounds([entry("graft", 30.0, long, 5, speed=2.0), entry("graft", 30.0, long, 6, speed=2.0)])
     add_ratios([none, slow])
     assert slow["levels"]["8"]["vs_none_paired_equal_speed"] == pytest.approx(1.0)  # half the rate, twice as slow
+    # plain forwards far from no speculation's context: the line would be extrapolated, so no figure
+    far = merge_rounds([entry("graft", 57.0, list(range(6000, 9000, 100)), 7),
+                        entry("graft", 57.0, list(range(6000, 9000, 100)), 8)])
+    add_ratios([none, far])
+    assert "vs_none_paired" in far["levels"]["8"] and "vs_none_paired_equal_speed" not in far["levels"]["8"]
 
 
 def test_bench_serve_rejects_bad_repeats(capsys):

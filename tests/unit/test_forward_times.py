@@ -104,9 +104,9 @@ def test_a_plain_forward_records_its_context_and_a_level_fits_its_forwards_to_it
     forward_times._sink[0].close()
     records = forward_times.read_trace(trace.files(base))
     assert [context for *_, context in records] == [4 * s + 6 + 4 for s in (100, 400, 900, 1500)]
-    intercept, slope, median = forward_times.window_fit(records, 999.0, 2000.0, reqs=4, min_count=4)
+    intercept, slope, low, median, high = forward_times.window_fit(records, 999.0, 2000.0, reqs=4, min_count=4)
     assert (intercept, slope) == (pytest.approx(20.0, abs=1e-3), pytest.approx(5.0, abs=1e-3))
-    assert median == pytest.approx((1610 + 3610) / 2)
+    assert median == pytest.approx((1610 + 3610) / 2) and 410 < low < 1610 and 3610 < high < 6010
     assert forward_times.window_fit(records, 999.0, 2000.0, reqs=4, min_count=5) is None  # too few
     assert forward_times.window_fit(records, 999.0, 2000.0, reqs=2, min_count=1) is None  # none of 2 requests
     one_context = [(1000.0 + j, 4, 30.0, 500) for j in range(5)]

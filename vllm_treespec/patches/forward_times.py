@@ -119,12 +119,13 @@ def window_reading(records: list[tuple[float, int, float, int | None]], start: f
 
 
 def window_fit(records: list[tuple[float, int, float, int | None]], start: float, end: float, reqs: int,
-               min_count: int) -> tuple[float, float, float] | None:
+               min_count: int) -> tuple[float, float, float, float, float] | None:
     """The plain forwards of ``reqs`` requests that started in [start, end) as a line in their context: (ms at no
-    context, ms per 1000 tokens of context, median context). Two servers' plain forwards compare at one context
-    through it: a server's gate can leave different steps plain (graft drafted on the short-context steps and ran
-    the long ones plain), and then their medians compare different steps. None with fewer than ``min_count`` forwards
-    that recorded a context, or all at one context."""
+    context, ms per 1000 tokens of context, and the 10th, 50th and 90th percentiles of their contexts: the range where
+    the line is measured, not extrapolated). Two servers' plain forwards compare at one context through it: a
+    server's gate can leave different steps plain (graft drafted on the short-context steps and ran the long ones
+    plain), and then their medians compare different steps. None with fewer than ``min_count`` forwards that
+    recorded a context, or all at one context."""
     points = [(context, ms) for started, r, ms, context in records
               if start <= started < end and r == reqs and context is not None]
     if len(points) < min_count:
@@ -133,7 +134,8 @@ def window_fit(records: list[tuple[float, int, float, int | None]], start: float
     if np.ptp(contexts) <= 0:
         return None
     slope, intercept = np.polyfit(contexts / 1000.0, times, 1)
-    return float(intercept), float(slope), float(np.median(contexts))
+    low, median, high = np.percentile(contexts, [10, 50, 90])
+    return float(intercept), float(slope), float(low), float(median), float(high)
 
 
 def install() -> None:

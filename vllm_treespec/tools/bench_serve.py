@@ -23,11 +23,12 @@ server's median plain forward at the level's usual request count and, with round
 speed: each round's ratio times how much longer the method's plain forward took than no speculation's in that round
 (servers of one configuration started minutes apart run at different speeds for their whole life; the raw paired
 ratio stays the figure of record). The forwards record their requests' summed sequence lengths, and the two servers
-are compared at one context (each server's line of ms in context, read at no speculation's median context): a gate
-that prices rows by their context leaves the long-context steps plain, and the servers' medians then compared
-different steps (graft's plain forwards at 8 requests read 3-11 ms slower than no speculation's while a graft
-engine that never drafts ran at its speed). ``equal_speed_by`` says which was used: ``context``, or ``median`` for
-forwards files without contexts.
+are compared at one context (each server's line of ms in context, read at no speculation's median context, only
+where that lies within the method's own plain forwards' contexts): a gate that prices rows by their context leaves
+the long-context steps plain, and the servers' medians then compared different steps (graft's plain forwards at 8
+requests read 3-11 ms slower than no speculation's while a graft engine that never drafts ran at its speed).
+``equal_speed_by`` says which was used: ``context``, or ``median`` for forwards files without contexts; a level
+whose servers' plain forwards ran at contexts too far apart has no figure at equal speed.
 """
 
 from __future__ import annotations
@@ -250,8 +251,8 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
     """Each level's ``plain_forward``: the server's median plain forward at the level's usual request count
     (``{"ms", "reqs", "count"}``), and where the forwards recorded their context, the line they follow in it
     (``"fit"``: ms at no context and per 1000 tokens of context,
-    :func:`~vllm_treespec.patches.forward_times.window_fit`) and their median context (``"context"``); None where it
-    ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+    :func:`~vllm_treespec.patches.forward_times.window_fit`), their median context (``"context"``) and its 10th to
+    90th percentiles (``"context_range"``); None where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
     for level, (start, end) in windows.items():
         if level in entry["levels"]:
             reading = forward_times.window_reading(records, start, end, MIN_PLAIN_FORWARDS)
@@ -259,7 +260,7 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
             fit = None if reading is None else forward_times.window_fit(records, start, end, reading[1],
                                                                         MIN_PLAIN_FORWARDS)
             if fit is not None:
-                plain.update(fit=[fit[0], fit[1]], context=fit[2])
+                plain.update(fit=[fit[0], fit[1]], context=fit[3], context_range=[fit[2], fit[4]])
             entry["levels"][level]["plain_forward"] = plain
 
 
@@ -344,17 +345,24 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
 def relative_speeds(mine: list[dict[str, Any] | None], theirs: list[dict[str, Any] | None]
                     ) -> tuple[list[float], str] | None:
     """Per paired round, how much longer a plain forward of ``mine``'s server took than one of ``theirs`` (each a
-    level's ``plain_forward``), and how they were compared: ``"context"`` where every round of both recorded the
-    line its forwards follow in their context (each server's line read at the context of ``theirs``' median plain
-    forward: the same steps, whichever a gate left plain), else ``"median"`` (the servers' median plain forwards,
-    which compare different steps when a gate drafts by context); None where a round has no reading."""
+    level's ``plain_forward``), and how they were compared. ``"context"`` where every round of both recorded the
+    line its forwards follow in their context: each server's line read at the median context of ``theirs``' plain
+    forwards (the same steps, whichever a gate left plain). None where a round has no reading, or where that context
+    lies outside the 10th-90th percentiles of ``mine``'s (the line would be extrapolated: graft's plain forwards at 8
+    requests once sat at 2,200 tokens of context against no speculation's 5,300, and the two lines read 3,000 tokens
+    away from graft's said it ran 0.77x the time of no speculation's). ``"median"`` for forwards files without
+    contexts: the servers' median plain forwards, which compare different steps when a gate drafts by context."""
     if any(m is None for m in mine + theirs):
         return None
     if all("fit" in m for m in mine + theirs):
         def at(plain: dict[str, Any], context: float) -> float:
             return plain["fit"][0] + plain["fit"][1] * context / 1000.0
 
+        if any(not m["context_range"][0] <= t["context"] <= m["context_range"][1] for m, t in zip(mine, theirs)):
+            return None
         return [at(m, t["context"]) / at(t, t["context"]) for m, t in zip(mine, theirs)], "context"
+    if any("fit" in m for m in mine + theirs):
+        return None  # some rounds with contexts, some without: no one way to compare them all
     return [m["ms"] / t["ms"] for m, t in zip(mine, theirs)], "median"
 
 
