@@ -331,9 +331,8 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
             if len(pairs) > 1 and min(theirs[j] for _, j in pairs) > 0:
                 s["rounds_vs_none"] = [mine[i] / theirs[j] for i, j in pairs]
                 s["vs_none_paired"] = statistics.median(s["rounds_vs_none"])
-                speeds = relative_speeds([(s.get("rounds_plain_forward") or [None] * len(mine))[i] for i, _ in pairs],
-                                         [(b.get("rounds_plain_forward") or [None] * len(theirs))[j]
-                                          for _, j in pairs])
+                speeds = relative_speeds([s["rounds_plain_forward"][i] for i, _ in pairs],
+                                         [b["rounds_plain_forward"][j] for _, j in pairs])
                 if speeds is not None:
                     # each server's tok/s at the speed of the other: times its plain forward over the other's
                     s["rounds_vs_none_equal_speed"] = [ratio * x for ratio, x in
