@@ -179,6 +179,25 @@ def test_host_time_is_the_cycle_less_the_forward_the_drafter_and_the_tree_work(m
     assert budget.host_seconds == pytest.approx(0.010)
 
 
+def test_a_drafter_part_priced_elsewhere_is_not_host_time(monkeypatch):
+    """graft's head is priced by graft's own gate and a catch-up before the call, so the verifier's gate times the
+    call without them; they are still drafter work, not host time that every step, plain ones too, is priced with."""
+    clock = Clock()
+    monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", clock)
+    tokens = np.arange(1, 40)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.03))), max_nodes=8)
+    for _ in range(5):
+        budget.step_started(4, 1)
+        clock.now += 0.03  # forward
+        budget.step_finished()
+        budget.drafted(1, 0.001, 0.008)  # retrieval 1 ms, the head 8 ms
+        clock.now += 0.001 + 0.008 + 0.003  # drafter, 3 ms of scheduler and sampler
+    budget.step_started(1, 1)
+    assert budget.host_seconds == pytest.approx(0.003)
+    assert budget.drafter_cost.predict(1) == pytest.approx(0.001)
+    assert budget.step_time.predict(1) == pytest.approx(0.03 + 0.003)
+
+
 def test_drafts_wait_for_measured_plain_steps(monkeypatch):
     """The gate prices drafting against the plain step: where forwards are timed, a token bucket whose plain
     steps were not measured (or not lately) gets plain steps first, and the proposer only observes them."""
@@ -373,10 +392,12 @@ def test_the_drafters_price_includes_pricing_and_handing_over_its_trees(monkeypa
     clock = iter(np.arange(0, 100, 0.001).tolist())
     monkeypatch.setattr("vllm_treespec.verify.verifier.time.perf_counter", lambda: next(clock))
     calls = []
-    monkeypatch.setattr(verifier.budget, "drafted", lambda num_reqs, seconds: calls.append((num_reqs, seconds)))
+    monkeypatch.setattr(verifier.budget, "drafted",
+                        lambda num_reqs, seconds, unpriced=0.0: calls.append((num_reqs, seconds, unpriced)))
     verifier.propose([[9], [3], [6]])
-    (num_reqs, seconds), = calls
+    (num_reqs, seconds, unpriced), = calls
     assert num_reqs == 3 and seconds == pytest.approx(0.001)  # one clock tick: start to after flatten_trees
+    assert unpriced == pytest.approx(0.0)
 
 
 def test_a_drafter_the_proposer_gates_itself_is_not_charged_to_the_verifiers_gate(monkeypatch):
@@ -398,10 +419,12 @@ def test_a_drafter_the_proposer_gates_itself_is_not_charged_to_the_verifiers_gat
     # the time module's clock, which the verifier and the proposer above both read
     monkeypatch.setattr("vllm_treespec.verify.verifier.time.perf_counter", lambda: next(clock))
     calls = []
-    monkeypatch.setattr(verifier.budget, "drafted", lambda num_reqs, seconds: calls.append((num_reqs, seconds)))
+    monkeypatch.setattr(verifier.budget, "drafted",
+                        lambda num_reqs, seconds, unpriced=0.0: calls.append((num_reqs, seconds, unpriced)))
     verifier.propose([[9], [3], [6]])
-    (num_reqs, seconds), = calls
+    (num_reqs, seconds, unpriced), = calls
     assert num_reqs == 3 and seconds == pytest.approx(0.026 - 0.020)  # 26 ticks in the call, 20 of them gated
+    assert unpriced == pytest.approx(0.020)  # still the drafter's time, not host time (the budget's host median)
 
 
 def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():
@@ -438,7 +461,8 @@ def test_a_probe_under_load_drafts_for_as_many_requests_as_it_verifies_nodes():
     proposer, gate = verifier.proposer, verifier.budget.gate
     asked, counts, priced = [], [], []
     drafted = verifier.budget.drafted
-    verifier.budget.drafted = lambda num_reqs, seconds: (priced.append(num_reqs), drafted(num_reqs, seconds))
+    verifier.budget.drafted = lambda num_reqs, seconds, unpriced=0.0: (priced.append(num_reqs),
+                                                                        drafted(num_reqs, seconds, unpriced))
     for _ in range(200):
         calls = len(proposer.contexts)
         drafts = verifier.propose([[9], [3], [6]])

@@ -181,10 +181,13 @@ class StepBudget:
         """The drafts the last step accepted (None: it verified none): the gate learns what its allocation saved."""
         self.gate.verified(accepted)
 
-    def drafted(self, num_reqs: int, seconds: float) -> None:
-        """The drafter's call for ``num_reqs`` requests took ``seconds``."""
+    def drafted(self, num_reqs: int, seconds: float, unpriced_seconds: float = 0.0) -> None:
+        """The drafter's call for ``num_reqs`` requests took ``seconds`` that its price counts, and
+        ``unpriced_seconds`` more that it does not (a proposer's self-gated drafter, a catch-up: priced elsewhere).
+        Neither is host time: counted as such, graft's head (8 ms a drafting step, bf16, batch 1) tripled the host
+        time every step was priced with, plain steps too, and a dearer plain step makes every node look cheaper."""
         self.drafter_cost.timed.observe(num_reqs, seconds)
-        self._cycle_other += seconds
+        self._cycle_other += seconds + max(unpriced_seconds, 0.0)
         if self.trace is not None:
             self.trace.plan(drafter_ms=seconds * 1e3)
 

@@ -184,8 +184,9 @@ class TreeVerifier:
             # the price of drafting at all: the drafter's call and the host work that pricing and handing over its
             # trees takes (calibration, allocation, flattening); the gate weighs it against what the trees yield. A
             # drafter the proposer gates itself (graft's head) is priced by the proposer's gate, not by this one.
-            self.budget.drafted(drafting, max(time.perf_counter() - started - ctx.self_gated_seconds
-                                              - ctx.deferred_seconds, 0.0))
+            call = time.perf_counter() - started
+            priced = max(call - ctx.self_gated_seconds - ctx.deferred_seconds, 0.0)
+            self.budget.drafted(drafting, priced, call - priced)
             if ctx.self_gated_seconds and self.budget.trace is not None:
                 self.budget.trace.plan(head_ms=ctx.self_gated_seconds * 1e3)
         return drafts
