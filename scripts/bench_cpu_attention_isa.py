@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+
+from vllm_treespec.cost.measure import time_callable
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 128, 30
 
@@ -40,14 +41,7 @@ def time_decode(ops, torch, isa: str, reqs: int, context: int, repeats: int) -> 
         ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, output, query_start, seq_lens,
                                         HEAD_DIM ** -0.5, True, None, -1, block_table, 0.0, metadata, None)
 
-    for _ in range(20):
-        call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    return time_callable(call, repeats, warmup=20)
 
 
 def print_layout(ops, torch) -> None:
