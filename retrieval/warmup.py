@@ -80,13 +80,14 @@ def _read_only(automaton: StaticSuffixAutomaton) -> tuple[np.ndarray, ...]:
     return tables
 
 
-def kernel_signatures() -> dict[str, int]:
-    """Compiled signatures per numba kernel of the store (``module.function`` -> count), to check coverage."""
+def kernel_signatures(package: str = __package__) -> dict[str, int]:
+    """Compiled signatures per numba kernel of ``package``'s loaded modules (default: the store's;
+    ``module.function`` -> count), to check coverage."""
     from numba.core.registry import CPUDispatcher
 
     out = {}
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(__package__ + "."):
+        if module is None or not name.startswith(package + "."):
             continue
         for attr, value in vars(module).items():
             if isinstance(value, CPUDispatcher) and value.__module__ == name:

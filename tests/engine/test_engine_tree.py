@@ -367,9 +367,10 @@ def test_shipped_head_in_vllm_eagle3_greedy_identical(base, model, prompts):
 
 
 def test_retrieval_kernels_compile_at_startup_not_in_requests(base, model, prompts, monkeypatch):
-    """graft compiles the retrieval store's numba kernels when the engine loads: serving requests (batch 1 and 4,
-    finished outputs feeding the global store) compiles nothing more, and the output stays exact."""
-    from engine_helpers import retrieval_kernel_signatures
+    """graft compiles the retrieval store's numba kernels when the engine loads, and the tree step's at its warm-up:
+    serving requests (batch 1 and 4, finished outputs feeding the global store) compiles no kernel of the plugin, and
+    the output stays exact."""
+    from engine_helpers import retrieval_kernel_signatures, step_kernel_signatures
 
     from vllm_treespec.cost.budget import budget_report
 
@@ -382,11 +383,17 @@ def test_retrieval_kernels_compile_at_startup_not_in_requests(base, model, promp
             "vllm_treespec.retrieval.sam._extend", "vllm_treespec.retrieval.sam._match_dynamic",
             "vllm_treespec.retrieval.tree.extract_tree", "vllm_treespec.retrieval.ngram._lookup",
             "vllm_treespec.retrieval.successor._tree", "vllm_treespec.retrieval.tree._merge_kernel"))
+        steps_at_startup = llm.collective_rpc(step_kernel_signatures)[0]
+        assert all(steps_at_startup[k] > 0 for k in (
+            "vllm_treespec.verify.topk._topk32_kernel", "vllm_treespec.verify.accept._argmax32_kernel",
+            "vllm_treespec.tree._greedy_accept_kernel", "vllm_treespec.tree._layout_kernel",
+            "vllm_treespec.attn.layout._move_slots_kernel"))
         got = [token_ids(llm.generate([p], greedy(), use_tqdm=False))[0] for p in prompts[:3]]
         got += token_ids(llm.generate(prompts[3:7], greedy(), use_tqdm=False))
         # the drafter ran and proposed trees (how many the budget verifies depends on what it learns: not asserted)
         assert llm.collective_rpc(budget_report)[0]["proposed_nodes"] > 0
         assert llm.collective_rpc(retrieval_kernel_signatures)[0] == at_startup
+        assert llm.collective_rpc(step_kernel_signatures)[0] == steps_at_startup
     finally:
         close(llm)
     assert got == token_ids(base.generate(prompts[:7], greedy(), use_tqdm=False))

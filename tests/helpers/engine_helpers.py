@@ -98,6 +98,13 @@ def retrieval_kernel_signatures(worker) -> dict[str, int]:
     return kernel_signatures()
 
 
+def step_kernel_signatures(worker) -> dict[str, int]:
+    """For ``LLM.collective_rpc``: compiled signatures of every numba kernel of the plugin in the worker."""
+    from vllm_treespec.retrieval.warmup import kernel_signatures
+
+    return kernel_signatures("vllm_treespec")
+
+
 def drafter_checkpoint(worker) -> str:
     """For ``LLM.collective_rpc``: the head folder the worker's eagle_tree / kv_aware proposer loaded."""
     return worker.model_runner.drafter.drafter.checkpoint

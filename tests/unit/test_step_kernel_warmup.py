@@ -3,6 +3,8 @@ call after it adds no compiled signature (else the first request would still com
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -58,5 +60,33 @@ def test_a_runner_without_a_verifier_or_config_is_not_an_error(caplog):
     class Bare:
         pass
 
-    assert warmup.compile_step_kernels(Bare()) >= 0.0
+    with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
+        assert warmup.compile_step_kernels(Bare()) >= 0.0
     assert "could not compile" not in caplog.text
+
+
+def test_a_failing_warm_up_logs_one_line_and_does_not_raise(caplog, monkeypatch):
+    def broken():
+        raise RuntimeError("no kernels here")
+
+    monkeypatch.setattr(warmup, "compile_acceptance_kernels", broken)
+    with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
+        warmup.compile_step_kernels(object())
+    assert "could not compile the tree step's kernels" in caplog.text and "no kernels here" in caplog.text
+
+
+def test_only_caches_that_compaction_moves_in_place_are_warmed():
+    class Impl:
+        kv_cache_dtype = "auto"
+
+    class Layer:
+        def __init__(self, cache, isa, impl=None):
+            self.kv_cache, self.isa, self.impl = cache, isa, impl or Impl()
+
+    class DeviceImpl(Impl):
+        def compact_tree_kv(self, *args):
+            pass
+
+    cache = torch.zeros(4, 3, 16, 128)
+    layers = [Layer(cache, "vec"), Layer(cache, "amx"), Layer(cache, "vec", DeviceImpl())]
+    assert [c is cache for c in warmup.movable_caches(layers)] == [True]

@@ -50,16 +50,23 @@ def compile_acceptance_kernels() -> None:
 
 
 def compile_compaction_kernels(kv_caches: list[torch.Tensor]) -> None:
-    """The in-place KV move, on a two-block copy of each distinct cache geometry (never the engine's cache)."""
+    """The in-place KV move, on a two-block copy of each distinct geometry of ``kv_caches`` (caches that
+    :func:`~vllm_treespec.attn.layout.can_move_slots`; never the engine's cache itself)."""
     seen = set()
     for cache in kv_caches:
         key = (cache.dtype, tuple(cache.shape[1:]))
-        if key in seen or cache.dim() != 4 or cache.device.type != "cpu":
-            continue
-        seen.add(key)
-        scratch = torch.zeros((2, *cache.shape[1:]), dtype=cache.dtype)
-        if scratch.element_size() in (2, 4):
+        if key not in seen:
+            seen.add(key)
+            scratch = torch.zeros((2, *cache.shape[1:]), dtype=cache.dtype)
             layout.move_slots(scratch, np.array([0], np.int64), np.array([1], np.int64))
+
+
+def movable_caches(layers: list[Any]) -> list[torch.Tensor]:
+    """The KV caches of ``layers`` that compaction moves with :func:`~vllm_treespec.attn.layout.move_slots` (as
+    :func:`~vllm_treespec.attn.compact.compact_layers` decides: a CPU layer whose layout it reads)."""
+    return [layer.kv_cache for layer in layers
+            if getattr(layer.impl, "compact_tree_kv", None) is None
+            and layout.can_move_slots(layer.kv_cache, layer.isa, layer.impl.kv_cache_dtype)]
 
 
 def compile_step_kernels(runner: Any) -> float:
@@ -72,8 +79,7 @@ def compile_step_kernels(runner: Any) -> float:
         compile_acceptance_kernels()
         verifier = getattr(runner, "_treespec_verifier", None)
         if verifier is not None:
-            caches = [getattr(layer, "kv_cache", None) for layer in verifier._attention_layers()]
-            compile_compaction_kernels([c for c in caches if isinstance(c, torch.Tensor)])
+            compile_compaction_kernels(movable_caches(verifier._attention_layers()))
             budget = getattr(verifier, "budget", None)
             if budget is not None:  # the allocator's and the gate's predictions, with and without a context term
                 tokens = np.arange(1.0, 3.0)
