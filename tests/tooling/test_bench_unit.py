@@ -593,8 +593,8 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
         def alive(self):
             return self.running and not self.crashed
 
-        def rss_bytes(self):
-            return 1 << 30
+        def rss_by_process(self):
+            return {1: ("python", 1 << 30)}
 
         def log_tail(self, chars=6000):
             return "(Worker pid=3) ERROR [core.py:1] RuntimeError: the worker died\n(APIServer pid=1) INFO shut down\n"
@@ -646,3 +646,26 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
         assert by["graft"]["levels"][level]["rounds_vs_none"] == [2.0, 2.0]
         assert by["graft"]["levels"][level]["vs_none_paired"] == 2.0
     assert by["graft"]["rss"]["max_mib"] == 1024
+
+
+def test_rss_sampler_counts_the_servers_own_growth_and_reports_helpers_apart():
+    from vllm_treespec.tools.serving import RssSampler
+
+    mib = 1 << 20
+    api, worker = (1, ("python", 900 * mib)), (2, ("VLLM::Worker", 2500 * mib))
+    timeline = [
+        dict([api, worker]),
+        dict([api, worker, (7, ("cc1plus", 2600 * mib))]),  # inductor compiling a sampler op: not the server's
+        dict([api, (2, ("VLLM::Worker", 2700 * mib))]),  # the worker's own growth counts
+        dict([api, (2, ("VLLM::Worker", 2600 * mib))]),
+    ]
+    sampler = RssSampler(SimpleNamespace())
+    sampler.samples = list(enumerate(timeline))
+    summary = sampler.summary()
+    assert summary["samples"] == 4
+    assert (summary["start_mib"], summary["max_mib"], summary["end_mib"]) == (3400, 3600, 3500)
+    assert summary["mid_mib"] == 3600
+    assert summary["helpers_max_mib"] == 2600 and summary["helpers"] == ["cc1plus"]
+    empty = RssSampler(SimpleNamespace())
+    empty.samples = [(0.0, {})]
+    assert empty.summary() == {"samples": 0}

@@ -137,24 +137,30 @@ class ServerProcess:
         except OSError:
             return ""
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and all its descendants (API server, engine core, workers)."""
+    def rss_by_process(self) -> dict[int, tuple[str, int]]:
+        """Resident memory of the server and each of its descendants, ``pid -> (name, bytes)``: the API server,
+        engine core and workers, and any short-lived helper they start (the C++ compiler behind a ``torch.compile``
+        that vLLM runs on first use, say)."""
         import psutil
 
         if not self.alive():
-            return 0
+            return {}
         try:
             root = psutil.Process(self.process.pid)
             procs = [root] + root.children(recursive=True)
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return {}
+        found = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                found[p.pid] = (p.name(), p.memory_info().rss)
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return found
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and all its descendants."""
+        return sum(size for _, size in self.rss_by_process().values())
 
 
 def keep_off_worker_cpus(root_pid: int) -> set[int]:
@@ -214,21 +220,26 @@ def pin_threads(pid: int, cpus: Iterable[int]) -> None:
 
 
 class RssSampler:
-    """Samples :meth:`ServerProcess.rss_bytes` on a background thread every ``interval_s``."""
+    """Samples :meth:`ServerProcess.rss_by_process` on a background thread every ``interval_s``.
+
+    The server's own processes are those alive at the first sample (API server, engine core, workers): a leak shows
+    in them. Processes that appear later are helpers, such as the C++ compiler inductor runs when vLLM compiles a
+    sampler op on its first use; they come and go, so they are reported apart rather than counted as the server's
+    growth."""
 
     def __init__(self, server: ServerProcess, interval_s: float = 1.0) -> None:
         import threading
 
         self.server = server
         self.interval_s = interval_s
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, dict[int, tuple[str, int]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         start = time.monotonic()
         while not self._stop.is_set():
-            self.samples.append((time.monotonic() - start, self.server.rss_bytes()))
+            self.samples.append((time.monotonic() - start, self.server.rss_by_process()))
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> RssSampler:
@@ -238,16 +249,23 @@ class RssSampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((self.samples[-1][0] if self.samples else 0.0, self.server.rss_bytes()))
+        self.samples.append((self.samples[-1][0] if self.samples else 0.0, self.server.rss_by_process()))
 
-    def summary(self) -> dict[str, float]:
-        values = [v for _, v in self.samples if v > 0]
-        if not values:
+    def summary(self) -> dict[str, Any]:
+        """MiB of the server's own processes at the start, middle and end of the run and at most, and the most its
+        helpers held at once (``helpers_max_mib``, with their names)."""
+        taken = [by_pid for _, by_pid in self.samples if by_pid]
+        if not taken:
             return {"samples": 0}
         mib = 1 << 20
+        server_pids = set(taken[0])
+        own = [sum(size for pid, (_, size) in by_pid.items() if pid in server_pids) / mib for by_pid in taken]
+        helpers = [{pid: entry for pid, entry in by_pid.items() if pid not in server_pids} for by_pid in taken]
         # the KV cache's pages count once first touched, so RSS climbs early; a leak keeps climbing after mid-run
-        return {"samples": len(values), "start_mib": values[0] / mib, "mid_mib": values[len(values) // 2] / mib,
-                "end_mib": values[-1] / mib, "max_mib": max(values) / mib}
+        return {"samples": len(own), "start_mib": own[0], "mid_mib": own[len(own) // 2], "end_mib": own[-1],
+                "max_mib": max(own),
+                "helpers_max_mib": max(sum(size for _, size in h.values()) for h in helpers) / mib,
+                "helpers": sorted({name for h in helpers for name, _ in h.values()})}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ mid-stream, over the completions and chat endpoints. Every request is checked:
 * crash: the server process gone or ``/health`` failing at the end;
 * mismatch: a greedy request (temperature 0, no logprobs) whose tokens differ from those of a no-speculation
   server that replays the same greedy requests afterwards;
-* memory: RSS of the server's process tree, sampled every second across the soak (start/end/max).
+* memory: RSS of the server's own processes (API server, engine core, workers), sampled every second across the
+  soak (start/mid/end/max); short-lived helpers such as inductor's C++ compiler are reported apart.
 
 ``python -m vllm_treespec.tools.soak --requests 500`` (or ``scripts/soak.sh``) runs the long version; the tests run a short
 one. Everything talks to 127.0.0.1 only.
@@ -205,7 +206,7 @@ class SoakReport:
     mismatches: list[str] = field(default_factory=list)
     server_alive: bool = True
     server_healthy: bool = True
-    rss: dict[str, float] = field(default_factory=dict)
+    rss: dict[str, Any] = field(default_factory=dict)
     by_kind: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
 
@@ -217,8 +218,8 @@ class SoakReport:
     def summary(self) -> str:
         rss = self.rss
         mem = (f"RSS start {rss['start_mib']:.0f} MiB, mid {rss['mid_mib']:.0f} MiB, end {rss['end_mib']:.0f} MiB, "
-               f"max {rss['max_mib']:.0f} MiB "
-               f"({rss['samples']} samples)") if rss.get("samples") else "RSS not sampled"
+               f"max {rss['max_mib']:.0f} MiB ({rss['samples']} samples); helpers at most "
+               f"{rss['helpers_max_mib']:.0f} MiB {rss['helpers']}") if rss.get("samples") else "RSS not sampled"
         return (f"sent {self.sent}, completed {self.completed}, aborted by client {self.aborted_by_client}, "
                 f"lost {len(self.lost)}, invalid {len(self.invalid)}, greedy compared {self.greedy_compared}, "
                 f"mismatches {len(self.mismatches)}, server alive {self.server_alive}, healthy "
