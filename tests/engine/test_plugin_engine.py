@@ -23,7 +23,9 @@ def test_unsupported_vllm_version_disables_plugin_and_vllm_still_generates():
             except Exception as e:
                 print("REJECTED", type(e).__name__)
         """
-    result = run_python(code, {"VLLM_TREESPEC_ASSUME_VLLM_VERSION": "0.99.0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # in-process (one vLLM import instead of three): the plugin's version check runs in every process that loads it
+    result = run_python(code, {"VLLM_TREESPEC_ASSUME_VLLM_VERSION": "0.99.0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert "GENERATED 5" in result.stdout, result.stderr[-3000:]
     assert "vllm_treespec is disabled: vLLM 0.99.0 is not supported" in result.stderr
     assert "REJECTED" in result.stdout  # without the plugin vLLM's own validation refuses our method name

@@ -1,4 +1,5 @@
-"""The OpenAI server with a tree method under a short soak, bad requests and bad startup configs.
+"""`vllm-treespec serve` (vLLM's OpenAI server) with graft: an OpenAI client's chat, a short soak, bad requests and
+bad startup configs.
 
 Real servers (``python -m vllm_treespec.tools.cli serve``) on 127.0.0.1 and a real HTTP client; every loop is bounded.
 The long versions are ``scripts/soak.sh`` (500+ requests) and ``scripts/bad_input.py`` (every bad config as a real
@@ -18,7 +19,7 @@ from vllm_treespec.tools.serving import ServerProcess, ServerStartError, client_
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
-SPEC = {"method": "suffix_tree", "num_speculative_tokens": 16}
+SPEC = {"method": "graft", "num_speculative_tokens": 16}
 CONCURRENCY = 16
 SOAK_REQUESTS = 48  # every kind of request at least once (soak.make_requests, seed 1)
 # the two servers of this module may be up at once: keep their KV caches small
@@ -120,6 +121,21 @@ def test_malformed_json_body_gets_4xx(spec_server):
         urllib.request.urlopen(req, timeout=30)
     assert 400 <= info.value.code < 500
     assert spec_server.healthy()
+
+
+def test_openai_client_chats_with_graft_and_metrics_count_drafts(spec_server):
+    import urllib.request
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{spec_server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    reply = client.chat.completions.create(
+        model=soak.SERVED_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    with urllib.request.urlopen(f"{spec_server.url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert "vllm:spec_decode_num_drafts" in metrics
 
 
 def test_soak_greedy_identical_to_no_speculation(smollm2, soak_run, spec_server):
