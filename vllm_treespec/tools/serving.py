@@ -158,10 +158,6 @@ class ServerProcess:
                 pass
         return found
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server and all its descendants."""
-        return sum(size for _, size in self.rss_by_process().values())
-
 
 def keep_off_worker_cpus(root_pid: int) -> set[int]:
     """Pin every thread of process ``root_pid`` and its descendants, except vLLM's CPU workers, to the CPUs the
