@@ -339,6 +339,15 @@ class TreeProposer:
         would not pay for their verification): keep per-request state that follows every committed token current
         (a draft head's own KV cache), so that drafts are as good when drafting resumes. Default: nothing."""
 
+    def glance(self, ctx: ProposeContext, rows: Sequence[int]) -> list[DraftTree | None] | None:
+        """Called after :meth:`observe` on a step the budget's gate skips, for batch rows ``rows``: trees it can offer
+        for almost nothing where a cheap look says they are likely to pay now (a long retrieval match), or None.
+        The gate decides from what recent trees were worth, so a passage repeated from the prompt would otherwise
+        wait for its next probe. The verifier calibrates these trees and admits only the nodes that pay, as on any
+        step; they do not teach the gate what the proposer's full trees are worth. Keep it cheap: it runs on every
+        skipped step. Default: None (nothing to offer)."""
+        return None
+
     def catch_up_price(self, ctx: ProposeContext, rows: Sequence[int]) -> float:
         """Seconds a call drafting for batch rows ``rows`` would first spend on work the steps it only observed
         left (an EAGLE head writing their rows' K/V, deferred by :meth:`observe`). The step budget's gate adds it to

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -42,6 +42,8 @@ class GraftStats:
     draft_source: dict[str, int] = field(default_factory=dict)
     #: steps where a loaded model drafter sat out because the batch exceeded model_draft_max_batch
     retrieval_only_steps: int = 0
+    #: retrieval-only trees offered on steps the verifier's gate skipped (option ``glance``)
+    glance_trees: int = 0
 
 
 class GraftProposer(TreeProposer):
@@ -178,6 +180,45 @@ class GraftProposer(TreeProposer):
     def observe(self, ctx: ProposeContext) -> None:
         if self.drafter is not None:
             self.drafter.observe(ctx)
+
+    def glance(self, ctx: ProposeContext, rows: Sequence[int]) -> list[DraftTree | None] | None:
+        """Retrieval-only trees for the rows whose suffix match pays for its first node (option ``glance``): its
+        best root child's priced acceptance rate ``p`` beats what one more row costs a step of ``n`` requests,
+        ``n * (t(n + 1) / t(n) - 1)`` on the step-cost model. The lookup is the suffix automaton's incremental match
+        (a few tens of microseconds a request); only rows that pass get graft's full retrieval-only tree."""
+        if not self.options.glance or self.sources.suffix is None or self.calibration is None \
+                or ctx.step_cost is None:
+            return None
+        budget = self.budget(ctx)
+        if budget <= 0:
+            return None
+        n = ctx.num_reqs
+        plain, one_more = ctx.step_cost.predict_many(np.array([n, n + 1], np.float64), n, plain_tokens=n)
+        break_even = n * (one_more / plain - 1.0) if plain > 0 else np.inf
+        matched, sources, raws = [], [], []
+        for i in rows:
+            req_id, context = ctx.req_ids[i], ctx.committed(i)
+            prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
+            found = self.sources.suffix.retrieve(req_id, context, budget, prompt_len=prompt_len)
+            roots = found.parents < 0
+            if roots.any():
+                matched.append(i)
+                sources.append(self._source_id("suffix", found.match_len))
+                raws.append(float(np.max(found.probs[roots])))
+        if not matched:
+            return None
+        rates = self.calibration.priced(np.array(sources), np.array(raws), np.ones(len(matched), np.int64))
+        hits = [i for i, rate in zip(matched, rates) if rate > break_even]
+        if not hits:
+            return None
+        floor = self.floor(ctx)
+        trees: list[DraftTree | None] = [None] * n
+        for i in hits:
+            assembled, _ = self._tree(ctx, i, budget, None, floor)
+            trees[i] = DraftTree(assembled.tree.token_ids, assembled.tree.parents,
+                                 assembled.raw_probs.astype(np.float32), assembled.sources)
+        self.stats.glance_trees += len(hits)
+        return trees
 
     def retrieval_alternatives(self, use_drafter: bool) -> bool:
         """Whether this head step also assembles the tree each request would get without the head (never verified),

@@ -523,3 +523,41 @@ def test_a_drafters_call_beyond_the_requests_it_was_timed_at_is_priced_per_reque
         gate.record([tree] * 16)
         drafters.append(gate.should_draft(16))
     assert drafters == [True, False]
+
+
+class GlancingProposer(FakeProposer):
+    """A FakeProposer whose glance on skipped steps offers ``glances`` (by request id)."""
+
+    def __init__(self, trees, glances):
+        super().__init__(trees)
+        self.glances = glances
+        self.glanced_rows: list[list[int]] = []
+
+    def glance(self, ctx, rows):
+        self.glanced_rows.append(list(rows))
+        return [self.glances.get(r) if i in rows else None for i, r in enumerate(ctx.req_ids)]
+
+
+def test_a_skipped_steps_glance_is_priced_like_any_tree_and_teaches_the_gate_nothing():
+    """Where the gate skips the drafter (its trees did not pay), the proposer's glance may still offer trees: they
+    are trimmed to the nodes that pay, as on a drafted step, but neither the gate's picture of the drafter's trees nor
+    its learnt saving nor the drafter's timed call changes. A glance that offers nothing leaves a plain step."""
+    weak = DraftTree(np.array([10, 11]), np.array([-1, 0], np.int32), np.array([0.05, 0.5], np.float32),
+                     np.full(2, -1, np.int32))
+    verifier = verifier_with(lambda t: 0.05 + 0.02 * (t - 1), {})
+    verifier.proposer = GlancingProposer({"a": weak}, {"a": SCORED})
+    budget = verifier.budget
+    verifier.propose([[9], [3], [6]])  # no history: a probe, which learns that the weak trees do not pay
+    gains, timed = budget.gate.gains.copy(), dict(budget.drafter_cost.timed.buckets)
+    calls = len(verifier.proposer.contexts)
+    drafts = verifier.propose([[9], [3], []])
+    assert len(verifier.proposer.contexts) == calls and len(verifier.proposer.observed) == 1  # skipped...
+    assert verifier.proposer.glanced_rows == [[0, 1]]  # ...then glanced at the rows that draft (c is a prefill)
+    assert drafts == [[10, 12], [], []]  # the glance's nodes that pay at 20 ms a row: 0.9 and 0.72
+    assert budget.stats["skipped_drafts"] == 1 and budget.stats["glance_trees"] == 1
+    assert budget.stats["glance_nodes"] == 2
+    np.testing.assert_array_equal(budget.gate.gains, gains)
+    assert budget.drafter_cost.timed.buckets == timed and budget.gate.surplus == 0.0
+    verifier.proposer.glances = {}
+    assert verifier.propose([[9], [3], [6]]) == [[], [], []]
+    assert budget.stats["glance_steps"] == 2 and budget.stats["glance_trees"] == 1

@@ -919,3 +919,28 @@ def test_retrieved_nodes_can_be_learnt_by_match_length():
     assert rates[0] < 0.5 < rates[1]
     pooled = proposer(sources=("suffix", "successor"))  # the default: one rate table per source
     assert pooled.acceptance_sources == ("suffix", "successor", MODEL_SOURCE)
+
+
+def test_graft_glances_at_a_long_suffix_match_where_its_first_node_pays():
+    """Option ``glance``: on a step the verifier's gate skips, a request whose suffix match's first node pays for its
+    row on the step-cost model gets its retrieval-only tree; one whose match is short (a class the target rarely
+    accepts) gets none, and without the option there is no glance at all."""
+    p = proposer(glance=True, calibrate_by_match_length=True, sources=("suffix",), budget=8, eagle_checkpoint="none")
+    long_match, short_match = p._source_id("suffix", 8), p._source_id("suffix", 1)
+    trials = 200
+    p.calibration.observe(np.full(trials, long_match), np.full(trials, 0.95), np.ones(trials))
+    p.calibration.observe(np.full(trials, short_match), np.full(trials, 0.95), np.zeros(trials))
+    passage = list(range(10, 30))
+    repeating = [1, 2] + passage + [3, 4] + passage[:12]  # the passage again: its next token is 22
+    short = [40, 41, 50, 41]  # "41" matched once before: continues with 50
+    ctx = make_ctx([repeating, short])
+    ctx.step_cost = Linear(0.05, 0.01)  # one more row costs a 2-request step 2 * (0.08 / 0.07 - 1) = 0.29 tokens
+    trees = p.glance(ctx, [0, 1])
+    assert trees is not None and trees[1] is None
+    assert trees[0].token_ids[0] == 22 and p.stats.glance_trees == 1
+    assert p.glance(make_ctx([short]), [0]) is None  # no cost model: nothing to price by
+    ctx.step_cost = Linear(0.0, 0.01)  # a row costs what a request's plain row does: only a sure node would pay
+    assert p.glance(ctx, [0, 1]) is None
+    off = proposer(calibrate_by_match_length=True, sources=("suffix",), budget=8, eagle_checkpoint="none")
+    ctx.step_cost = Linear(0.05, 0.01)
+    assert off.glance(ctx, [0, 1]) is None

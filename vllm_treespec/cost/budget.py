@@ -108,7 +108,8 @@ class StepBudget:
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
-                      "probes": 0, "observed_steps": 0, "plain_samples": 0}
+                      "probes": 0, "observed_steps": 0, "plain_samples": 0, "glance_steps": 0, "glance_trees": 0,
+                      "glance_nodes": 0}
         self.trace = BudgetTrace.from_env()
 
     @classmethod
@@ -191,19 +192,32 @@ class StepBudget:
         if self.trace is not None:
             self.trace.plan(drafter_ms=seconds * 1e3)
 
+    def glanced(self, trees: int, seconds: float) -> None:
+        """A skipped step's glance (:meth:`TreeProposer.glance`) offered ``trees`` trees in ``seconds``. Not host
+        time: once every skipped step glances, it is spent whether its trees are verified or not, so it belongs to
+        neither price (counted as host time, it made plain steps dearer and every node look cheaper)."""
+        self.stats["glance_steps"] += 1
+        self.stats["glance_trees"] += trees
+        self._cycle_other += max(seconds, 0.0)
+        if self.trace is not None:
+            self.trace.plan(glance_ms=seconds * 1e3, **({"gate": "glance"} if trees else {}))
+
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
               base_tokens: int | None = None, drafted: bool = True, row_excess: np.ndarray | None = None,
-              drafting_requests: int | None = None) -> list[DraftTree | None]:
+              drafting_requests: int | None = None, glance: bool = False) -> list[DraftTree | None]:
         """The trees trimmed to the nodes that pay (only those with node_probs change). ``drafted``: the drafter was
         called for them (False: the gate skipped it, and the trees are all None); ``drafting_requests``: how many
         requests it was asked for (default: the trees that are not None), the gate's share of each tree's nodes
         (:meth:`DraftGate.record`). ``row_excess``: per tree's request,
-        :meth:`StepTime.row_excess` (None: every row at the curve's context)."""
+        :meth:`StepTime.row_excess` (None: every row at the curve's context). ``glance``: the trees are a skipped
+        step's glance: priced and trimmed alike, but the gate learns nothing from them (they are what a cheap look
+        found where it looked, not what the drafter's trees are worth, nor what drafting saves)."""
         if not any(t is not None and t.node_probs is not None for t in trees):
-            if drafted and all(t is None for t in trees):
+            if drafted and not glance and all(t is None for t in trees):
                 self.gate.allocated(None)  # a call that proposed nothing saved nothing
             return list(trees)
-        self.gate.record(trees, requests=drafting_requests, per_request_cap=self.max_nodes)
+        if not glance:
+            self.gate.record(trees, requests=drafting_requests, per_request_cap=self.max_nodes)
         # a probe's trees are verified without the tree work's price, so that price is measured again
         overhead = 0.0 if self.gate.probing else self.tree_work.seconds
         allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,
@@ -212,8 +226,11 @@ class StepBudget:
                               max_extra_seconds=self.gate.probe_seconds if self.gate.probing else None,
                               explore=self.gate.probing, row_excess=row_excess)
         self.last = allocation
-        # a probe is priced without the tree work: what it saves is counted with it
-        self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
+        if glance:
+            self.stats["glance_nodes"] += allocation.total_nodes
+        else:
+            # a probe is priced without the tree work: what it saves is counted with it
+            self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
         self.stats["allocations"] += 1
         self.stats["probes"] += self.gate.probing
         self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)

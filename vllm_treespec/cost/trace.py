@@ -8,7 +8,9 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     predicted_ms  the step-cost model's prediction of that forward, before its time refined the model
     host_ms    the host time per step the budget charges (a running median)
     gate       "draft", "probe" or "skip" (the drafter gate's decision), "plain" (a plain step that measures the plain
-               step drafts are priced against, StepBudget.needs_plain_sample), absent when the gate was not asked
+               step drafts are priced against, StepBudget.needs_plain_sample), "glance" (a skipped step whose
+               proposer's glance offered trees, TreeProposer.glance), absent when the gate was not asked
+    glance_ms  a skipped step's glance, when the proposer was asked for one
     best, plain  the gate's predicted rates (tokens/s) with drafting and without, when it decided on them
     surplus_ms what the drafted steps' allocations saved lately, per step, from the drafts the target accepted (the
                gate drafts while it beats drafter_ms)

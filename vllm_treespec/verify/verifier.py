@@ -154,7 +154,7 @@ class TreeVerifier:
             # a few steps, and a probe drafts in full
             ctx.useful_nodes = 2 * max(nodes for _, nodes in self._admitted) + 1
         started = time.perf_counter()
-        drafted, drafting = self._draft(ctx)
+        drafted, drafting, glanced = self._draft(ctx)
         proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
         if drafting:
             # nodes no step can commit (the request ends first) are neither priced nor verified
@@ -169,8 +169,8 @@ class TreeVerifier:
             probing = self.budget.gate.probing
             calibrated = self.acceptance.calibrate(proposed, corrected=not probing, req_ids=req_ids)
             trees = self.budget.admit(calibrated, num_reqs, drafted=bool(drafting), row_excess=row_excess,
-                                      drafting_requests=drafting or None)
-            if drafting:
+                                      drafting_requests=drafting or None, glance=glanced)
+            if drafting and not glanced:
                 admitted = [t for t in trees if t is not None and t.num_nodes]
                 self._admitted.append((max((int(t.depths().max()) for t in admitted), default=0),
                                        max((t.num_nodes for t in admitted), default=0)))
@@ -180,7 +180,7 @@ class TreeVerifier:
             self.acceptance.handed(req_ids, proposed, trees)
         drafts, self.pending = flatten_trees(ctx, trees,
                                              lambda req_id: bool(self.enabled) and self._request_can_use_tree(req_id))
-        if self.budget is not None and drafting:
+        if self.budget is not None and drafting and not glanced:
             # the price of drafting at all: the drafter's call and the host work that pricing and handing over its
             # trees takes (calibration, allocation, flattening); the gate weighs it against what the trees yield. A
             # drafter the proposer gates itself (graft's head) is priced by the proposer's gate, not by this one.
@@ -195,10 +195,11 @@ class TreeVerifier:
         """Learn acceptance rates: the budget weighs nodes by them, a proposer with named sources ranks by them."""
         return self.budget is not None or bool(getattr(self.proposer, "acceptance_sources", ()))
 
-    def _draft(self, ctx: ProposeContext) -> tuple[list[DraftTree | None], int]:
-        """The proposer's trees, and the requests it drafted for (0 when it was not called); no trees at all when
-        the budget's gate says drafting would not pay (then the proposer only observes the step). A probe asks only
-        for as many requests' trees as its allowance verifies nodes (``ctx.draft_rows``).
+    def _draft(self, ctx: ProposeContext) -> tuple[list[DraftTree | None], int, bool]:
+        """The proposer's trees, the requests it drafted for (0 when it was not called) and whether they are a
+        glance's; no trees at all when the budget's gate says drafting would not pay (then the proposer only observes
+        the step), unless its glance offers some (:meth:`TreeProposer.glance`). A probe asks only for as many
+        requests' trees as its allowance verifies nodes (``ctx.draft_rows``).
         The gate prices the drafting requests' rows by ``ctx.row_excess``."""
         budget = self.budget
         row_excess = ctx.row_excess
@@ -208,7 +209,17 @@ class TreeVerifier:
                 drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs,
                 extra_seconds=self.proposer.catch_up_price(ctx, rows))):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
-            return [None] * ctx.num_reqs, 0
+            started = time.perf_counter()
+            glanced = None if self.never_draft or not drafting else self.proposer.glance(ctx, rows)
+            if budget is not None and drafting:
+                budget.glanced(0 if glanced is None else sum(t is not None for t in glanced),
+                               time.perf_counter() - started)
+            if glanced is None or not any(t is not None for t in glanced):
+                return [None] * ctx.num_reqs, 0, False
+            if len(glanced) != ctx.num_reqs:
+                raise RuntimeError(f"{type(self.proposer).__name__}.glance returned {len(glanced)} trees "
+                                   f"for {ctx.num_reqs} requests")
+            return glanced, drafting, True
         ctx.probing = budget is not None and budget.gate.probing
         if ctx.probing:
             ctx.useful_depth = ctx.useful_nodes = None  # a probe measures what the full trees are worth
@@ -220,7 +231,7 @@ class TreeVerifier:
         if len(trees) != ctx.num_reqs:
             raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
                                f"for {ctx.num_reqs} requests")
-        return trees, drafting  # propose() times the call with the work on its trees that follows
+        return trees, drafting, False  # propose() times the call with the work on its trees that follows
 
     def _probe_rows(self, rows: list[int], count: int, num_reqs: int) -> np.ndarray:
         """A mask of ``count`` of ``rows``, taken in turn from one probe to the next (every request is probed)."""
