@@ -87,7 +87,7 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: tok/s at batch 1 (docs/benchmarks.md), so it is off unless asked
     calibrate_by_match_length: bool = False
     #: on a step the verifier's gate skips (recent trees did not pay), look up each request's suffix match anyway
-    #: and offer its retrieval-only tree when the match's first node, priced by the acceptance calibration, pays for
+    #: and offer the match's continuation tree when its first node, priced by the acceptance calibration, pays for
     #: its verification on the step-cost model: a passage repeated from the prompt is verified as it appears, not at
     #: the gate's next probe. It tells long matches from short ones only with calibrate_by_match_length
     glance: bool = False

@@ -938,6 +938,8 @@ def test_graft_glances_at_a_long_suffix_match_where_its_first_node_pays():
     trees = p.glance(ctx, [0, 1])
     assert trees is not None and trees[1] is None
     assert trees[0].token_ids[0] == 22 and p.stats.glance_trees == 1
+    assert trees[0].token_ids[:8].tolist() == passage[12:20]  # the match's continuation, as retrieved
+    assert set(trees[0].node_sources.tolist()) == {long_match}  # priced as a long match's nodes
     assert p.glance(make_ctx([short]), [0]) is None  # no cost model: nothing to price by
     ctx.step_cost = Linear(0.0, 0.01)  # a row costs what a request's plain row does: only a sure node would pay
     assert p.glance(ctx, [0, 1]) is None
