@@ -197,15 +197,17 @@ class GraftProposer(TreeProposer):
         plain, one_more = ctx.step_cost.predict_many(np.array([n, n + 1], np.float64), n, plain_tokens=n)
         break_even = n * (one_more / plain - 1.0) if plain > 0 else np.inf
         matched: list[tuple[int, RetrievedTree, int]] = []
+        firsts = []  # each matched row's best root child's raw confidence
         for i in rows:
             req_id, context = ctx.req_ids[i], ctx.committed(i)
             prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
             found = self.sources.suffix.retrieve(req_id, context, budget, prompt_len=prompt_len)
-            if (found.parents < 0).any():
+            roots = found.parents < 0
+            if roots.any():
                 matched.append((i, found, self._source_id("suffix", found.match_len)))
+                firsts.append(float(np.max(found.probs[roots])))
         if not matched:
             return None
-        firsts = [float(np.max(found.probs[found.parents < 0])) for _, found, _ in matched]
         rates = self.calibration.priced(np.array([source for _, _, source in matched]), np.array(firsts),
                                         np.ones(len(matched), np.int64))
         hits = [m for m, rate in zip(matched, rates) if rate > break_even]

@@ -209,16 +209,17 @@ class TreeVerifier:
                 drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs,
                 extra_seconds=self.proposer.catch_up_price(ctx, rows))):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
-            started = time.perf_counter()
-            glanced = None if self.never_draft or not drafting else self.proposer.glance(ctx, rows)
-            if budget is not None and drafting:
-                budget.glanced(0 if glanced is None else sum(t is not None for t in glanced),
-                               time.perf_counter() - started)
-            if glanced is None or not any(t is not None for t in glanced):
+            if self.never_draft or not drafting:
                 return [None] * ctx.num_reqs, 0, False
-            if len(glanced) != ctx.num_reqs:
-                raise RuntimeError(f"{type(self.proposer).__name__}.glance returned {len(glanced)} trees "
-                                   f"for {ctx.num_reqs} requests")
+            started = time.perf_counter()
+            glanced = self.proposer.glance(ctx, rows)
+            if glanced is not None:
+                self._check_tree_count(glanced, ctx, "glance")
+            offered = 0 if glanced is None else sum(t is not None for t in glanced)
+            if budget is not None:
+                budget.glanced(offered, time.perf_counter() - started)
+            if not offered:
+                return [None] * ctx.num_reqs, 0, False
             return glanced, drafting, True
         ctx.probing = budget is not None and budget.gate.probing
         if ctx.probing:
@@ -228,10 +229,13 @@ class TreeVerifier:
             ctx.draft_rows = self._probe_rows(rows, budget.gate.probe_requests, ctx.num_reqs)
             drafting = budget.gate.probe_requests
         trees = self.proposer.propose_trees(ctx)
-        if len(trees) != ctx.num_reqs:
-            raise RuntimeError(f"{type(self.proposer).__name__}.propose_trees returned {len(trees)} trees "
-                               f"for {ctx.num_reqs} requests")
+        self._check_tree_count(trees, ctx, "propose_trees")
         return trees, drafting, False  # propose() times the call with the work on its trees that follows
+
+    def _check_tree_count(self, trees: list[DraftTree | None], ctx: ProposeContext, method: str) -> None:
+        if len(trees) != ctx.num_reqs:
+            raise RuntimeError(f"{type(self.proposer).__name__}.{method} returned {len(trees)} trees "
+                               f"for {ctx.num_reqs} requests")
 
     def _probe_rows(self, rows: list[int], count: int, num_reqs: int) -> np.ndarray:
         """A mask of ``count`` of ``rows``, taken in turn from one probe to the next (every request is probed)."""
