@@ -4,6 +4,7 @@
     python scripts/step_split.py --methods 'none;graft:{"num_speculative_tokens":16}' --prompts "sharegpt[2200:2202]"
     python scripts/step_split.py --batch-size 16 --prompts "sharegpt[2200:2216]" --max-tokens 64
     python scripts/step_split.py --batch-size 4 --methods 'none;graft' --plain graft --repeats 4
+    python scripts/step_split.py --methods 'graft' --enforce-eager --profile 40
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
@@ -17,7 +18,9 @@ process. Never run it beside another torch job.
 
 ``--plain LABELS``: those methods' tree verifiers never draft (the path of a step whose gate says drafting does not
 pay: the proposer only observes), to measure what a speculative engine's plain steps cost against no speculation's.
-``--repeats N`` runs the methods N times, in reverse order every other time (A B, B A, ...: this machine drifts by
+``--profile N`` also runs cProfile over the timed generation and prints this project's N costliest functions by own and
+inclusive time, in ms per engine step (cProfile slows Python code by itself: compare shares, and take the timers above
+for milliseconds). ``--repeats N`` runs the methods N times, in reverse order every other time (A B, B A, ...: this machine drifts by
 10-20% over minutes, and a fixed order would charge the drift to one method), and ends with each method's medians
 over the repeats.
 """
@@ -161,11 +164,19 @@ def run_child(args: argparse.Namespace) -> None:
     forwards: list[tuple[int, float]] = []
     install_timers(totals, calls, forwards)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     started, tokens = time.perf_counter(), 0
     for first in range(0, len(prompts), args.batch_size):
         outputs = llm.generate(prompts[first:first + args.batch_size], params, use_tqdm=False)
         tokens += sum(len(output.outputs[0].token_ids) for output in outputs)
     elapsed = time.perf_counter() - started
+    if profiler is not None:
+        profiler.disable()
     steps = max(calls["LLMEngine.step"], 1)
     print(f"  {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.2f} tok/s, {steps} engine steps, "
           f"{elapsed / steps * 1e3:.2f} ms per step")
@@ -180,6 +191,23 @@ def run_child(args: argparse.Namespace) -> None:
                                      "forward_ms": statistics.median(by_tokens[common]) * 1e3}))
     for key in sorted(totals, key=lambda k: -totals[k]):
         print(f"  {key:42s} {totals[key] / steps * 1e3:8.3f} ms per step  ({calls[key]} calls)")
+    if profiler is not None:
+        print_own_profile(profiler, steps, args.profile)
+
+
+def print_own_profile(profiler, steps: int, count: int) -> None:
+    """cProfile's costliest functions of this project (own time, and inclusive), in ms per engine step. cProfile
+    slows Python-heavy code by itself, so read the shares, not the absolute milliseconds."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats
+    own = [(key, entry) for key, entry in stats.items()
+           if "vllm_treespec" in key[0] or "/proposers/" in key[0] or "/retrieval/" in key[0]]
+    for title, column in (("own time", 2), ("inclusive", 3)):
+        print(f"  profile, this project's functions by {title} (ms per engine step, calls):")
+        for (path, line, name), entry in sorted(own, key=lambda item: -item[1][column])[:count]:
+            short = path.split("vllm_treespec/", 1)[-1] if "vllm_treespec/" in path else path.rsplit("/", 2)[-1]
+            print(f"    {entry[column] / steps * 1e3:8.3f}  {entry[1]:7d}  {short}:{line}({name})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip torch.compile, as vllm-treespec bench's option (default: vLLM's default, compiled; "
                         "an engine then starts in ~1.5 min instead of ~30 s here)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also run cProfile over the timed generation and print this project's N costliest "
+                        "functions (own and inclusive time; cProfile slows Python code, so read shares)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--never-draft", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -229,7 +260,7 @@ def main() -> int:
             command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()),
                        "--dtype", args.dtype, "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
                        "--max-model-len", str(args.max_model_len),
-                       "--batch-size", str(args.batch_size)] + (["--enforce-eager"] if args.enforce_eager else []) + (
+                       "--batch-size", str(args.batch_size), "--profile", str(args.profile)] + (["--enforce-eager"] if args.enforce_eager else []) + (
                            ["--model", args.model] if args.model else []) + (["--never-draft"] if never else [])
             result = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
