@@ -561,3 +561,6 @@ def test_a_skipped_steps_glance_is_priced_like_any_tree_and_teaches_the_gate_not
     verifier.proposer.glances = {}
     assert verifier.propose([[9], [3], [6]]) == [[], [], []]
     assert budget.stats["glance_steps"] == 2 and budget.stats["glance_trees"] == 1
+    verifier.proposer = FakeProposer({"a": weak})  # does not glance: never asked, no glance step counted
+    assert verifier.propose([[9], [3], [6]]) == [[], [], []]
+    assert budget.stats["skipped_drafts"] == 3 and budget.stats["glance_steps"] == 2

@@ -209,7 +209,8 @@ class TreeVerifier:
                 drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs,
                 extra_seconds=self.proposer.catch_up_price(ctx, rows))):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
-            if self.never_draft or not drafting:
+            # a proposer that does not override glance is not asked: its skipped steps count no glance
+            if self.never_draft or not drafting or type(self.proposer).glance is TreeProposer.glance:
                 return [None] * ctx.num_reqs, 0, False
             started = time.perf_counter()
             glanced = self.proposer.glance(ctx, rows)
