@@ -345,7 +345,7 @@ class TreeProposer:
         The gate decides from what recent trees were worth, so a passage repeated from the prompt would otherwise
         wait for its next probe. The verifier calibrates these trees and admits only the nodes that pay, as on any
         step; they do not teach the gate what the proposer's full trees are worth. Keep it cheap: it runs on every
-        skipped step. Default: None (nothing to offer)."""
+        skipped step. Default: None (nothing to offer; a proposer that does not override it is not asked)."""
         return None
 
     def catch_up_price(self, ctx: ProposeContext, rows: Sequence[int]) -> float:
