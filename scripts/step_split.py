@@ -20,9 +20,9 @@ process. Never run it beside another torch job.
 pay: the proposer only observes), to measure what a speculative engine's plain steps cost against no speculation's.
 ``--profile N`` also runs cProfile over the timed generation and prints this project's N costliest functions by own and
 inclusive time, in ms per engine step (cProfile slows Python code by itself: compare shares, and take the timers above
-for milliseconds). ``--repeats N`` runs the methods N times, in reverse order every other time (A B, B A, ...: this machine drifts by
-10-20% over minutes, and a fixed order would charge the drift to one method), and ends with each method's medians
-over the repeats.
+for milliseconds). ``--repeats N`` runs the methods N times, in reverse order every other time (A B, B A, ...: this
+machine drifts by 10-20% over minutes, and a fixed order would charge the drift to one method), and ends with each
+method's medians over the repeats.
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ def main() -> int:
             command = [sys.executable, __file__, "--child", json.dumps(spec.speculative_config()),
                        "--dtype", args.dtype, "--prompts", args.prompts, "--max-tokens", str(args.max_tokens),
                        "--max-model-len", str(args.max_model_len),
-                       "--batch-size", str(args.batch_size), "--profile", str(args.profile)] + (["--enforce-eager"] if args.enforce_eager else []) + (
+                       "--batch-size", str(args.batch_size), "--profile", str(args.profile)] + (
+                           ["--enforce-eager"] if args.enforce_eager else []) + (
                            ["--model", args.model] if args.model else []) + (["--never-draft"] if never else [])
             result = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in result.stdout.splitlines() if line.startswith("  ")]
