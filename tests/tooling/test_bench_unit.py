@@ -617,6 +617,7 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
     monkeypatch.setattr(bench_serve, "run_level", fake_level)
     monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
     monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 64 << 30)  # four servers fit
     out = tmp_path / "out"
     code = bench_serve.main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2",
                              "--requests-per-level", "2", "--methods", "graft;crashy=graft;broken=graft",
@@ -669,3 +670,86 @@ def test_rss_sampler_counts_the_servers_own_growth_and_reports_helpers_apart():
     empty = RssSampler(SimpleNamespace())
     empty.samples = [(0.0, {})]
     assert empty.summary() == {"samples": 0}
+
+
+SMOLLM2_LIKE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                "torch_dtype": "bfloat16"}
+
+
+def test_a_servers_kv_cache_is_what_the_busiest_level_needs(tmp_path):
+    """K/V bytes a token from the model's config (GQA heads, head_dim from hidden_size), at the server's dtype or
+    the model's own for "auto"; whole GiB for the busiest level's requests at once, at least one request of
+    max_model_len, at most the tools' default of 4 GiB."""
+    from vllm_treespec.tools.server_memory import kv_bytes_per_token, kv_cache_gib
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_LIKE))
+    assert kv_bytes_per_token(tmp_path, "float32") == 30 * 2 * 3 * 64 * 4 == 46080
+    assert kv_bytes_per_token(tmp_path, "bfloat16") == kv_bytes_per_token(tmp_path, "auto") == 23040
+    assert kv_bytes_per_token(tmp_path / "missing", "float32") is None
+    # 16 requests of 1000 + 128 tokens (+ 64 draft slots each) in fp32: 0.88 GiB, 1.02 with the margin
+    assert kv_cache_gib(46080, 16, 1000, 128, 4096) == 2
+    assert kv_cache_gib(23040, 16, 1000, 128, 4096) == 1
+    assert kv_cache_gib(46080, 1, 10, 16, 4096) == 1  # one max_model_len request: 0.18 GiB
+    assert kv_cache_gib(46080, 64, 3000, 1000, 4096) == 4  # never above the default
+
+
+def test_bench_serve_interleave_sizes_each_servers_kv_cache_and_refuses_servers_that_do_not_fit(
+        tmp_path, monkeypatch, capsys):
+    """``--interleave``: every server gets VLLM_CPU_KVCACHE_SPACE = the KV cache its busiest level needs (or the
+    user's value); servers that would not fit in the available memory together are refused before any starts, with
+    the numbers and the fixes, and nothing is written."""
+    from vllm_treespec.tools import bench_serve
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_LIKE))
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(4)))
+    envs = {}
+
+    class FakeServer:
+        port = 0
+
+        def __init__(self, model, spec, args, log_path, env):
+            self.label = log_path.stem.removeprefix("server-").rsplit("-r", 1)[0]
+            envs[self.label] = env
+
+        def start(self):
+            raise bench_serve.ServerStartError(f"not starting {self.label} in a unit test", None, "")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    common = ["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2", "--requests-per-level", "1",
+              "--methods", "ngram;graft;glance=graft", "--out", str(tmp_path / "out"), "--cpu-affinity", "os"]
+    # four servers of 1 GiB KV cache and ~2.5 GiB besides, 1 GiB spare: 15 GiB
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 14 << 30)
+    assert bench_serve.main(common + ["--interleave"]) == 2
+    err = capsys.readouterr().err
+    assert "--interleave keeps 4 servers up at once (none, ngram, graft, glance), each with 1 GiB of KV cache" in err
+    assert "~15.0 GiB" in err and "14.0 GiB available, room for 3" in err and "drop --interleave" in err
+    assert not envs and not (tmp_path / "out").exists()
+
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 15 << 30)
+    bench_serve.main(common + ["--interleave"])
+    assert {label: env["VLLM_CPU_KVCACHE_SPACE"] for label, env in envs.items()} == {
+        "none": "1", "ngram": "1", "graft": "1", "glance": "1"}
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["config"]["kv_cache_gib"] == 1
+
+    envs.clear()  # the user's size is kept, and checked
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert bench_serve.main(common + ["--interleave"]) == 2
+    assert "each with 3 GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)" in capsys.readouterr().err and not envs
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 64 << 30)
+    bench_serve.main(common + ["--interleave"])
+    assert {env["VLLM_CPU_KVCACHE_SPACE"] for env in envs.values()} == {"3"}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1.5")
+    assert bench_serve.main(common + ["--interleave"]) == 2
+    assert "VLLM_CPU_KVCACHE_SPACE='1.5': must be whole GiB" in capsys.readouterr().err
+
+    envs.clear()  # one server at a time: the servers' own default, no check
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 1 << 30)
+    bench_serve.main(common)
+    assert envs and all("VLLM_CPU_KVCACHE_SPACE" not in env for env in envs.values())

@@ -258,16 +258,18 @@ def load_tokenizer(model: str):
 
 
 def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_len: int,
-                         output_tokens: int = 1) -> None:
+                         output_tokens: int = 1) -> int:
     """Refuse, before any engine starts, questions whose first turn does not fit the engine's context with
     ``output_tokens`` more (vLLM would fail the run at that prompt, after the methods before it had run; a server
-    answers that request with an error, and the level counts one request fewer)."""
-    too_long = []
+    answers that request with an error, and the level counts one request fewer). Returns the longest first turn's
+    tokens, chat template included."""
+    too_long, longest = [], 0
     for category, listed in questions.items():
         for question in listed:
             text = tokenizer.apply_chat_template(Conversation(question).messages(0), tokenize=False,
                                                  add_generation_prompt=True)
             tokens = len(tokenizer(text).input_ids)
+            longest = max(longest, tokens)
             if tokens + output_tokens > max_model_len:
                 where = f" at {question['position']}" if "position" in question else ""
                 too_long.append(f"{category} {question['question_id']!r}{where} ({tokens} tokens)")
@@ -275,6 +277,7 @@ def check_prompt_lengths(tokenizer, questions: dict[str, list[dict]], max_model_
         outputs = "one output token" if output_tokens == 1 else f"{output_tokens} output tokens"
         raise BenchError(f"--prompts: {len(too_long)} question(s) do not fit --max-model-len {max_model_len} with "
                          f"{outputs}: {', '.join(too_long)}; take a slice without them or raise --max-model-len")
+    return longest
 
 
 # ----------------------------------------------------------------------------------------------------------------

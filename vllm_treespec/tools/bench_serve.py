@@ -15,7 +15,9 @@ the per-round ratios (each round against no speculation's same round, run next t
 cancels, and the alternating order charges neither the drift within a round nor what a server leaves behind to one
 method). With ``--interleave`` a round starts every method's server at once and runs them level by level in turn
 (the order reversed at every level): the servers still start fresh each round, but a method's level and no
-speculation's same level run a minute or two apart instead of a whole sweep apart.
+speculation's same level run a minute or two apart instead of a whole sweep apart. Each of them then gets the KV
+cache the run's busiest level needs (:mod:`vllm_treespec.tools.server_memory`; ``VLLM_CPU_KVCACHE_SPACE`` if set),
+and a run whose servers would not fit in memory together is refused before any starts.
 
 Each server's worker also writes the time of every plain decode forward
 (:mod:`vllm_treespec.patches.forward_times`, ``VLLM_TREESPEC_FORWARD_TIMES_FILE``), and each level reports its
@@ -37,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import statistics
 import sys
@@ -56,8 +59,30 @@ from vllm_treespec.tools.bench import unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import off_the_workers_cpus
 from vllm_treespec.tools.serving import request
+from vllm_treespec.tools.server_memory import (DEFAULT_KV_GIB, ServerMemoryError, available_memory_bytes,
+                                               check_servers_fit, kv_bytes_per_token, kv_cache_gib)
 
 SERVED_NAME = "bench"
+#: vLLM's CPU KV cache size, whole GiB
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def interleaved_kv_cache_gib(args: argparse.Namespace, longest_prompt: int, labels: list[str]) -> int:
+    """The KV cache (whole GiB) each of the servers ``--interleave`` keeps up together gets: VLLM_CPU_KVCACHE_SPACE if
+    set, else what the busiest level needs (:func:`kv_cache_gib`); refused, with the numbers, when they would not
+    all fit in the memory available now."""
+    user = os.environ.get(KV_CACHE_ENV)
+    if user:
+        try:
+            kv_gib = int(user)
+        except ValueError:
+            raise ServerMemoryError(f"{KV_CACHE_ENV}={user!r}: must be whole GiB (vLLM reads an integer)") from None
+    else:
+        per_token = kv_bytes_per_token(args.model, args.dtype)
+        kv_gib = DEFAULT_KV_GIB if per_token is None else kv_cache_gib(
+            per_token, max(args.concurrency), longest_prompt, args.max_tokens, args.max_model_len)
+    check_servers_fit(labels, kv_gib, available_memory_bytes(), kv_from_user=bool(user))
+    return kv_gib
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -121,6 +146,8 @@ class MethodRound:
         env = {TRACE_ENV: str(self.trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(self.forwards_path)}
         if spec.label in args.plain:
             env[NEVER_DRAFT_ENV] = "1"
+        if args.kv_cache_gib is not None:
+            env[KV_CACHE_ENV] = str(args.kv_cache_gib)
         self.server = ServerProcess(args.model, spec.speculative_config(), server_args(args), log_path=self.log_path,
                                     env=env)
         self.entry["port"] = self.server.port
@@ -465,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="each round starts every method's server at once and runs them level by level in turn "
                         "(the order reversed at every level), so a method's level is paired with no speculation's "
                         "same level a minute or two apart instead of a sweep apart; only one server works at a time, "
-                        "but all must fit in memory together")
+                        "but all must fit in memory together: each gets the KV cache the busiest level needs "
+                        "(VLLM_CPU_KVCACHE_SPACE if set), and servers that would not fit are refused before any starts")
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
@@ -516,15 +544,21 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{args.requests_per_level} sends {needed} requests per server, each a different prompt: give more "
               f"prompts or send fewer requests", file=sys.stderr)
         return 2
+    skipped = {spec.label: unavailable_reason(spec) for spec in specs}
+    args.kv_cache_gib = None  # each server's KV cache: the servers' default unless interleaved
     try:
-        check_prompt_lengths(load_tokenizer(args.model), questions, args.max_model_len, args.max_tokens)
-    except BenchError as e:
+        longest = check_prompt_lengths(load_tokenizer(args.model), questions, args.max_model_len, args.max_tokens)
+        if args.interleave:
+            labels = [spec.label for spec in specs if not skipped[spec.label]]
+            args.kv_cache_gib = interleaved_kv_cache_gib(args, longest, labels)
+            print(f"--interleave: {len(labels)} servers up together, {args.kv_cache_gib} GiB of KV cache each",
+                  file=sys.stderr)
+    except (BenchError, ServerMemoryError) as e:
         print(f"vllm-treespec bench serve: {e}", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    skipped = {spec.label: unavailable_reason(spec) for spec in specs}
     rounds: dict[str, list[dict[str, Any]]] = {spec.label: [] for spec in specs}
     for r in range(args.repeats):
         order = [spec for spec in round_order(specs, r) if not skipped[spec.label]]
