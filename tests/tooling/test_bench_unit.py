@@ -753,3 +753,36 @@ def test_bench_serve_interleave_sizes_each_servers_kv_cache_and_refuses_servers_
     monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 1 << 30)
     bench_serve.main(common)
     assert envs and all("VLLM_CPU_KVCACHE_SPACE" not in env for env in envs.values())
+
+
+def test_bench_serve_pairs_every_tree_method_with_vllms_best_method_at_each_level():
+    """``vs_builtin``: each level's rounds against those of whichever of vLLM's own methods in the run did best at
+    that level against no speculation (paired), the median of the round-by-round ratios; in the table as e.g.
+    ``2.00x ngram``. vLLM's methods and no speculation get none; a run without vLLM's methods adds nothing."""
+    from vllm_treespec.tools.bench_serve import add_builtin_ratios, add_ratios, format_table, merge_rounds
+
+    def method(label, rounds, name=None):
+        merged = merge_rounds([_serve_entry(label, rates, pid) for pid, rates in enumerate(rounds)])
+        merged["method"] = name or label
+        return merged
+
+    none = method("none", [{"1": 10.0, "4": 40.0}] * 3)
+    ngram = method("ngram", [{"1": 15.0, "4": 40.0}, {"1": 12.0, "4": 44.0}, {"1": 14.0, "4": 36.0}])
+    suffix = method("suffix", [{"1": 11.0, "4": 48.0}] * 3)
+    graft = method("graft", [{"1": 30.0, "4": 48.0}, {"1": 24.0, "4": 36.0}, {"1": 21.0, "4": 60.0}])
+    glance = method("glance", [{"1": 30.0, "4": 48.0}] * 3, name="graft")
+    methods = [none, ngram, suffix, graft, glance]
+    add_ratios(methods)
+    add_builtin_ratios(methods)
+    # at 1 request ngram did best (1.4x paired against suffix's 1.1x), at 4 suffix (1.2x against 1.0x)
+    assert graft["levels"]["1"]["vs_builtin"] == {"label": "ngram", "rounds": pytest.approx([2.0, 2.0, 1.5]),
+                                                  "paired": pytest.approx(2.0)}
+    assert graft["levels"]["4"]["vs_builtin"]["label"] == "suffix"
+    assert graft["levels"]["4"]["vs_builtin"]["paired"] == pytest.approx(1.0)  # rounds 1.0 / 0.75 / 1.25
+    assert glance["levels"]["4"]["vs_builtin"]["paired"] == pytest.approx(1.0)
+    assert all("vs_builtin" not in s for m in (none, ngram, suffix) for s in m["levels"].values())
+    assert "2.00x ngram" in format_table(methods)
+    alone = [method("none", [{"1": 10.0}] * 2), method("graft", [{"1": 12.0}] * 2)]
+    add_ratios(alone)
+    add_builtin_ratios(alone)
+    assert "vs_builtin" not in alone[1]["levels"]["1"]

@@ -13,7 +13,8 @@ reverse order every other round (a fresh server each time, the same prompts), an
 round with the median output tok/s, every round's figure, the ratio to no speculation's median, and the median of
 the per-round ratios (each round against no speculation's same round, run next to it: the drift between rounds
 cancels, and the alternating order charges neither the drift within a round nor what a server leaves behind to one
-method). With ``--interleave`` a round starts every method's server at once and runs them level by level in turn
+method). Where the run has vLLM's own methods (``ngram``, ...), every other method is also paired, level by level
+and round by round, with whichever of them did best at that level (``vs_builtin``). With ``--interleave`` a round starts every method's server at once and runs them level by level in turn
 (the order reversed at every level): the servers still start fresh each round, but a method's level and no
 speculation's same level run a minute or two apart instead of a whole sweep apart. Each of them then gets the KV
 cache the run's busiest level needs (:mod:`vllm_treespec.tools.server_memory`; ``VLLM_CPU_KVCACHE_SPACE`` if set),
@@ -368,6 +369,34 @@ def add_ratios(methods: list[dict[str, Any]], baseline: str = "none") -> None:
                     s["equal_speed_by"] = speeds[1]
 
 
+def is_vllm_method(method: str) -> bool:
+    """Whether ``method`` is one of vLLM's own speculative methods (``ngram``, ``suffix``, ...), not no speculation
+    nor a tree method of this package or a proposer's dotted path."""
+    from vllm_treespec.registry import is_dotted_path, registered_proposers
+
+    return method != "none" and method not in registered_proposers() and not is_dotted_path(method)
+
+
+def add_builtin_ratios(methods: list[dict[str, Any]]) -> None:
+    """``vs_builtin`` per level of every other method, where the run has vLLM's own methods: against the one that
+    did best at that level (the highest ``vs_none_paired``), round by round as ``vs_none_paired`` is (each round
+    against that method's round of the same number, run next to it), ``{"label", "rounds", "paired"}``."""
+    builtins = [m for m in methods if m["status"] == "ok" and is_vllm_method(m["method"])]
+    for m in methods:
+        if m["status"] != "ok" or m["method"] == "none" or m in builtins:
+            continue
+        for level, s in m["levels"].items():
+            rivals = [b for b in builtins if "vs_none_paired" in b["levels"].get(level, {})]
+            if not rivals:
+                continue
+            best = max(rivals, key=lambda b: b["levels"][level]["vs_none_paired"])
+            theirs = best["levels"][level]["rounds_tok_per_s"]
+            pairs = [(i, j) for i, j in paired_rounds(m, best) if theirs[j] > 0]
+            if len(pairs) > 1:
+                rounds = [s["rounds_tok_per_s"][i] / theirs[j] for i, j in pairs]
+                s["vs_builtin"] = {"label": best["label"], "rounds": rounds, "paired": statistics.median(rounds)}
+
+
 def relative_speeds(mine: list[dict[str, Any] | None], theirs: list[dict[str, Any] | None]
                     ) -> tuple[list[float], str] | None:
     """Per paired round, how much longer a plain forward of ``mine``'s server took than one of ``theirs`` (each a
@@ -412,7 +441,8 @@ def verify_share(budget: dict[str, Any] | None) -> str:
 
 
 def format_table(methods: list[dict[str, Any]]) -> str:
-    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "paired, eq. speed", "req/s",
+    header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "paired, eq. speed", "vs vLLM's best",
+              "req/s",
               "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "vs own plain",
               "rounds tok/s", "plain fwd"]
     table = [header]
@@ -425,10 +455,11 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             ratio = f"{s['vs_none']:.2f}x" if "vs_none" in s else "-"
             paired = f"{s['vs_none_paired']:.2f}x" if "vs_none_paired" in s else "-"
             equal = f"{s['vs_none_paired_equal_speed']:.2f}x" if "vs_none_paired_equal_speed" in s else "-"
+            builtin = f"{s['vs_builtin']['paired']:.2f}x {s['vs_builtin']['label']}" if "vs_builtin" in s else "-"
             rounds = " / ".join(f"{v:.1f}" for v in s.get("rounds_tok_per_s", []))
             forwards = s.get("rounds_plain_forward_ms") or [(s.get("plain_forward") or {}).get("ms")]
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
-                          ratio, paired, equal, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),
+                          ratio, paired, equal, builtin, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),
                           ms(s["ttft_s"]["p99"]), ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
                           f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), own_plain_cell(s),
                           rounds or "-",
@@ -576,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = [{"label": spec.label, "method": spec.method, "status": "skipped", "reason": skipped[spec.label]}
                if skipped[spec.label] else merge_rounds(rounds[spec.label]) for spec in specs]
     add_ratios(methods)
+    add_builtin_ratios(methods)
     report = {"config": {k: v for k, v in vars(args).items()}, "methods": methods}
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     table = format_table(methods)
