@@ -786,3 +786,54 @@ def test_bench_serve_pairs_every_tree_method_with_vllms_best_method_at_each_leve
     add_ratios(alone)
     add_builtin_ratios(alone)
     assert "vs_builtin" not in alone[1]["levels"]["1"]
+
+
+def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, monkeypatch):
+    """``--interleave --turn-pause S``: a server whose turn follows another server's (its level or its warm-up)
+    waits S seconds first; one that runs again right after itself (the reversed order's first of a level) does not."""
+    from vllm_treespec.tools import bench_serve
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(8)))
+    events = []
+
+    class FakeServer:
+        def __init__(self, model, spec, args, log_path, env):
+            self.label = log_path.stem.removeprefix("server-").rsplit("-r", 1)[0]
+            self.port, self.url = 0, f"http://127.0.0.1:{self.label}"
+            self.process = SimpleNamespace(pid=1)
+
+        def start(self):
+            return self
+
+        def alive(self):
+            return True
+
+        def rss_by_process(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    async def fake_level(url, prompts, concurrency, max_tokens, temperature):
+        if prompts[0] != bench_serve.WARMUP_PROMPT:
+            events.append((concurrency, url.rsplit(":", 1)[1]))
+        reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
+                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
+        return [reply] * len(prompts), 1.0
+
+    monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serve, "run_level", fake_level)
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
+    monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(bench_serve.time, "sleep", lambda seconds: events.append(("pause", seconds)))
+    common = ["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2", "--requests-per-level", "2",
+              "--methods", "graft", "--interleave", "--cpu-affinity", "os", "--out", str(tmp_path / "out")]
+    bench_serve.main(common + ["--turn-pause", "1.5"])
+    # warm-ups: none, graft; level 1: none (after graft's warm-up), graft; level 2 reversed: graft (itself), none
+    assert events == [("pause", 1.5), (1, "none"), ("pause", 1.5), (1, "graft"), (2, "graft"), ("pause", 1.5),
+                      (2, "none")]
+    events.clear()
+    bench_serve.main(common)  # no pause unless asked
+    assert events == [(1, "none"), (1, "graft"), (2, "graft"), (2, "none")]

@@ -259,14 +259,19 @@ def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.
     runs = [MethodRound(spec, args, out_dir, round_index) for spec in specs]
     try:
         live = [run for run in runs if run.start()]
+        previous: MethodRound | None = None  # the server that ran the last level (or warmed up last)
         with contextlib.ExitStack() as placements:
             for run in live:
                 run.warm_up(placements.enter_context(run.placement()))
+                previous = run
             for level, (concurrency, batch) in enumerate(tqdm(level_batches(prompts, args), desc="levels",
                                                               unit="level", file=sys.stderr)):
                 for run in round_order(live, level):
                     if run.server.alive():
+                        if previous is not None and previous is not run and args.turn_pause > 0:
+                            time.sleep(args.turn_pause)  # the last server's worker and engine core go idle first
                         run.run_level(concurrency, batch)
+                        previous = run
                     else:  # what is left of a crashed server (a worker spinning on) must not slow the others
                         run.server.stop()
     finally:
@@ -525,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "same level a minute or two apart instead of a sweep apart; only one server works at a time, "
                         "but all must fit in memory together: each gets the KV cache the busiest level needs "
                         "(VLLM_CPU_KVCACHE_SPACE if set), and servers that would not fit are refused before any starts")
+    parser.add_argument("--turn-pause", type=float, default=0.0, metavar="SECONDS",
+                        help="with --interleave, wait this long before a server's turn when another server ran the "
+                        "turn before: vLLM's worker and engine core keep polling their message queues (sched_yield) for 1 s "
+                        "after their last message, on the cores the next server's use")
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
