@@ -83,15 +83,14 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     calibrate_acceptance: bool = True
     #: learn the suffix and n-gram sources' nodes apart by how many context tokens their retrieval matched (1, 2-3,
     #: 4-7, 8+): at one raw confidence a long match's continuation is accepted far more often than a short one's
-    #: (``scripts/replay_matches.py``). With four rate tables to learn per source instead of one it gained no tok/s
-    #: at batch 1 alone; it is on because ``glance`` needs it to tell long matches from short ones
-    calibrate_by_match_length: bool = True
+    #: (``scripts/replay_matches.py``), but with four rate tables to learn per source instead of one it gained no
+    #: tok/s at batch 1 (docs/benchmarks.md), so it is off unless asked
+    calibrate_by_match_length: bool = False
     #: on a step the verifier's gate skips (recent trees did not pay), look up each request's suffix match anyway
     #: and offer the match's continuation tree when its first node, priced by the acceptance calibration, pays for
     #: its verification on the step-cost model: a passage repeated from the prompt is verified as it appears, not at
-    #: the gate's next probe (served at one request a graft server's gate skipped 24-76% of steps in spells of 40-117
-    #: steps without it; docs/benchmarks.md). It tells long matches from short ones only with calibrate_by_match_length
-    glance: bool = True
+    #: the gate's next probe. It tells long matches from short ones only with calibrate_by_match_length
+    glance: bool = False
     #: shrink the per-request budget as the batch grows (under the step budget, ``cost_budget``, the verifier's
     #: allocation does this for every method; graft's own rule then applies only with knee_tokens or a calibration
     #: file's table)

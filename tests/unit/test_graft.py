@@ -917,7 +917,7 @@ def test_retrieved_nodes_can_be_learnt_by_match_length():
     ids = [p.acceptance_sources.index(n) for n in ("suffix@1", "suffix@4")]
     rates = [float(p.calibration(i, np.array([1.0]), np.array([1]))[0]) for i in ids]
     assert rates[0] < 0.5 < rates[1]
-    pooled = proposer(sources=("suffix", "successor"), calibrate_by_match_length=False)  # one rate table per source
+    pooled = proposer(sources=("suffix", "successor"))  # the default: one rate table per source
     assert pooled.acceptance_sources == ("suffix", "successor", MODEL_SOURCE)
 
 
@@ -943,6 +943,6 @@ def test_graft_glances_at_a_long_suffix_match_where_its_first_node_pays():
     assert p.glance(make_ctx([short]), [0]) is None  # no cost model: nothing to price by
     ctx.step_cost = Linear(0.0, 0.01)  # a row costs what a request's plain row does: only a sure node would pay
     assert p.glance(ctx, [0, 1]) is None
-    off = proposer(glance=False, sources=("suffix",), budget=8, eagle_checkpoint="none")
+    off = proposer(calibrate_by_match_length=True, sources=("suffix",), budget=8, eagle_checkpoint="none")
     ctx.step_cost = Linear(0.05, 0.01)
     assert off.glance(ctx, [0, 1]) is None
