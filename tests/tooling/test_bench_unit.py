@@ -422,6 +422,30 @@ def test_bench_serve_refuses_to_send_a_prompt_twice(tmp_path, capsys):
     assert "gives 24 prompts" in err and "sends 48 requests" in err and "more prompts" in err
 
 
+def test_bench_serve_waves_send_at_least_that_many_times_the_concurrency(tmp_path, capsys):
+    """``--waves N``: a level sends max(--requests-per-level, N x concurrency) fresh prompts, so a level of 16 at 16
+    requests is not one wave (its time then the prefill and the slowest request); N < 1 is refused."""
+    from vllm_treespec.tools.bench_serve import build_parser, level_batches, main
+
+    args = build_parser().parse_args(["--concurrency", "1,4,16", "--waves", "3"])
+    args.concurrency = [1, 4, 16]
+    prompts = [f"q{i}" for i in range(100)]
+    batches = level_batches(prompts, args)
+    assert [(c, len(b)) for c, b in batches] == [(1, 16), (4, 16), (16, 48)]
+    assert batches[2][1] == prompts[32:80]  # fresh prompts at every level
+    args.waves = 1
+    assert [len(b) for _, b in level_batches(prompts, args)] == [16, 16, 16]
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(63)))
+    assert main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,16", "--waves", "3",
+                 "--methods", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "gives 63 prompts" in err and "--waves 3 sends 64 requests" in err  # 16 + 3 x 16
+    assert main(["--model", str(tmp_path), "--prompts", str(path), "--waves", "0", "--methods", "none"]) == 2
+    assert "--waves must be >= 1" in capsys.readouterr().err
+
+
 def test_bench_serve_plain_starts_that_methods_servers_never_drafting(tmp_path, monkeypatch, capsys):
     """``--plain LABEL``: that method's servers get VLLM_TREESPEC_NEVER_DRAFT=1 (its verifier never drafts), the
     others do not; a label that is not a speculative method's is refused before any server starts."""
@@ -789,7 +813,7 @@ def test_bench_serve_pairs_every_tree_method_with_vllms_best_method_at_each_leve
 
 
 def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, monkeypatch):
-    """``--interleave --turn-pause S``: a server whose turn follows another server's (its level or its warm-up)
+    """``--interleave --turn-pause S`` (default TURN_PAUSE_S): a server whose turn follows another server's (its level or its warm-up)
     waits S seconds first; one that runs again right after itself (the reversed order's first of a level) does not."""
     from vllm_treespec.tools import bench_serve
 
@@ -835,5 +859,9 @@ def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, m
     assert events == [("pause", 1.5), (1, "none"), ("pause", 1.5), (1, "graft"), (2, "graft"), ("pause", 1.5),
                       (2, "none")]
     events.clear()
-    bench_serve.main(common)  # no pause unless asked
+    bench_serve.main(common + ["--turn-pause", "0"])
     assert events == [(1, "none"), (1, "graft"), (2, "graft"), (2, "none")]
+    events.clear()
+    bench_serve.main(common)  # paused by default
+    assert events == [("pause", bench_serve.TURN_PAUSE_S), (1, "none"), ("pause", bench_serve.TURN_PAUSE_S),
+                      (1, "graft"), (2, "graft"), ("pause", bench_serve.TURN_PAUSE_S), (2, "none")]

@@ -66,6 +66,9 @@ from vllm_treespec.tools.server_memory import (DEFAULT_KV_GIB, ServerMemoryError
 SERVED_NAME = "bench"
 #: vLLM's CPU KV cache size, whole GiB
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: --interleave's wait before a turn that follows another server's: a server's processes keep one core busy for
+#: 1.0 s after its last response (measured, 2026-12-04), which delayed the next server's prefill by 0.6-1.0 s
+TURN_PAUSE_S = 1.5
 
 
 def interleaved_kv_cache_gib(args: argparse.Namespace, longest_prompt: int, labels: list[str]) -> int:
@@ -218,13 +221,18 @@ def crash_reason(log: str) -> str:
     return lines[-1][:300] if lines else "the server exited (empty log)"
 
 
+def level_requests(concurrency: int, args: argparse.Namespace) -> int:
+    """Requests sent at a level: ``--requests-per-level``, and at least ``--waves`` times the concurrency."""
+    return max(args.requests_per_level, args.waves * concurrency, concurrency)
+
+
 def level_batches(prompts: list[str], args: argparse.Namespace) -> list[tuple[int, list[str]]]:
     """(concurrency, its prompts) per level: fresh prompts at every level, so that a method that remembers finished
     outputs (suffix_tree's global store) is not scored on answers it has already produced (main() checked there are
     enough: no prompt is sent twice)."""
     batches, sent = [], 0
     for concurrency in args.concurrency:
-        n = max(args.requests_per_level, concurrency)
+        n = level_requests(concurrency, args)
         batches.append((concurrency, prompts[sent: sent + n]))
         sent += n
     return batches
@@ -516,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated concurrency levels")
     parser.add_argument("--requests-per-level", type=int, default=16, help="requests sent at each level")
+    parser.add_argument("--waves", type=int, default=1, metavar="N",
+                        help="send at least N times a level's concurrency (default 1). With as many requests as "
+                        "the concurrency a level is one wave: its time is the prefill and the slowest request, which "
+                        "a server cannot tell from steady load; N >= 2 keeps the slots refilled as requests finish")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -530,10 +542,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "same level a minute or two apart instead of a sweep apart; only one server works at a time, "
                         "but all must fit in memory together: each gets the KV cache the busiest level needs "
                         "(VLLM_CPU_KVCACHE_SPACE if set), and servers that would not fit are refused before any starts")
-    parser.add_argument("--turn-pause", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--turn-pause", type=float, default=TURN_PAUSE_S, metavar="SECONDS",
                         help="with --interleave, wait this long before a server's turn when another server ran the "
-                        "turn before: vLLM's worker and engine core keep polling their message queues (sched_yield) for 1 s "
-                        "after their last message, on the cores the next server's use")
+                        "turn before (default %(default)s; 0: no pause): after its last response a server keeps one "
+                        "core fully busy for 1.0 s (vLLM's message queues poll with sched_yield), the cores the next "
+                        "server's prefill needs; without the pause a turn after another server's reached its first "
+                        "decode step 0.6-1.0 s late (bf16, 16 requests)")
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
@@ -558,6 +572,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         print(f"vllm-treespec bench serve: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
         return 2
+    if args.waves < 1:
+        print(f"vllm-treespec bench serve: --waves must be >= 1, got {args.waves}", file=sys.stderr)
+        return 2
     try:
         specs = parse_methods(args.methods)
         for spec in specs:
@@ -575,14 +592,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # interleave categories so that every level sees a mix
     pools = [[q["turns"][0] for q in qs] for qs in questions.values()]
     prompts = [pool[i] for i in range(max(map(len, pools))) for pool in pools if i < len(pool)]
-    needed = sum(max(args.requests_per_level, c) for c in args.concurrency)
+    needed = sum(level_requests(c, args) for c in args.concurrency)
     if len(prompts) < needed:
         # a reused prompt is scored against an answer the server has already produced (graft's and suffix_tree's
         # stores of finished outputs then predict it whole)
         print(f"vllm-treespec bench serve: --prompts {args.prompts!r} gives {len(prompts)} prompts, but "
               f"--concurrency {','.join(map(str, args.concurrency))} with --requests-per-level "
-              f"{args.requests_per_level} sends {needed} requests per server, each a different prompt: give more "
-              f"prompts or send fewer requests", file=sys.stderr)
+              f"{args.requests_per_level} and --waves {args.waves} sends {needed} requests per server, each a "
+              f"different prompt: give more prompts or send fewer requests", file=sys.stderr)
         return 2
     skipped = {spec.label: unavailable_reason(spec) for spec in specs}
     args.kv_cache_gib = None  # each server's KV cache: the servers' default unless interleaved
