@@ -188,7 +188,7 @@ def test_plain_steps_and_verifying_steps_learn_apart():
 def numpy_prediction(model, tokens, num_reqs=1, excess=0.0, plain_tokens=None):
     """What :meth:`StepCostModel.predict_many` computes, by the model's NumPy parts (its path without Numba)."""
     tokens = np.asarray(tokens, np.float64)
-    return model.base(tokens, num_reqs, excess) * model.factor(tokens, plain_tokens)
+    return model.base(tokens, num_reqs, excess) * model.factor(tokens, plain_tokens, num_reqs)
 
 
 @pytest.mark.parametrize("per_context", [0.0, 2e-6])
@@ -212,7 +212,29 @@ def test_the_compiled_prediction_is_the_numpy_one(per_context):
         assert model.predict_many(np.array([[4.0, 8.0]]), 1, 0.0, 1).shape == (1, 2)
         assert isinstance(model.predict(4, 1, 0.0, 1), float)
         # plain steps first, then verifying steps: every combination of the two tables
-        model.observe(int(rng.integers(1, 40)), 1, float(rng.uniform(0.03, 0.2)), drafts=observations % 2)
+        model.observe(int(rng.integers(1, 40)), int(rng.choice([1, 3, 16])), float(rng.uniform(0.03, 0.2)),
+                      drafts=observations % 2)
+
+
+def test_verifying_steps_learn_per_request_bucket_what_the_shared_table_misses():
+    """A step of 16 requests verifying 10 drafts and one of 4 requests verifying 22 share a token bucket, not a
+    cost: each request bucket learns its own factor on top of the table of all verifying steps; a bucket not yet seen
+    takes that table; plain steps are untouched."""
+    model = StepCostModel.fit(samples_of(cpu_like))
+    wide, narrow = 1.35 * float(model.base(26, 16)), 0.8 * float(model.base(26, 4))
+    for _ in range(80):  # interleaved: the shared table alone settles between the two and misses both
+        model.observe(26, 16, wide, drafts=10)
+        model.observe(26, 4, narrow, drafts=22)
+    assert model.predict(26, 16, plain_tokens=16) == pytest.approx(wide, rel=0.03)
+    assert model.predict(26, 4, plain_tokens=4) == pytest.approx(narrow, rel=0.03)
+    shared = float(model.base(26, 1)) * float(model.draft_correction.factor(26.0))
+    assert model.predict(26, 1, plain_tokens=1) == pytest.approx(shared, rel=1e-9)  # bucket 0: never verified
+    assert 0.8 * 1.02 < float(model.draft_correction.factor(26.0)) < 1.35 / 1.02
+    # a plain step borrows the shared table (no plain step observed yet), never a request bucket's own
+    assert model.predict(16, 16) == pytest.approx(float(model.base(16, 16) * model.draft_correction.factor(16.0)),
+                                                  rel=1e-9)
+    # flat beyond the knots, as every correction: a count far above the observed ones keeps the bucket's factor
+    assert model.predict(200, 16, plain_tokens=16) / float(model.base(200, 16)) == pytest.approx(1.35, rel=0.03)
 
 
 def test_without_numba_the_prediction_takes_the_numpy_path(monkeypatch):

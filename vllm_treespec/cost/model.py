@@ -20,7 +20,10 @@
   steps that verify drafts learn apart (``correction``, ``draft_correction``; a prediction names the step's tokens
   without drafts, ``plain_tokens``): the sweep times one request's tree rows, and eight requests' decode rows cost
   less than one request's eight tree rows, so a table shared by both kinds priced a plain step by its last verifying
-  steps of about as many tokens (fp32, 7 requests: plain steps predicted at ~97 ms, measured ~70).
+  steps of about as many tokens (fp32, 7 requests: plain steps predicted at ~97 ms, measured ~70). Verifying steps
+  also learn, per power-of-two bucket of requests, what their bucket takes beyond the table of all verifying steps
+  (``draft_by_requests``): a step of 16 requests verifying 10 drafts and one of 4 requests verifying 22 share a token
+  bucket but not a cost (bf16, served: the shared table priced the first 11-14% below its measured time).
 
 Nothing here is specific to a device: a GPU's measured points give a flat ``f`` and so a flat curve. The fitted points
 are cached on disk per engine (:class:`CostCache`, keyed by :class:`CostKey`); a corrupt or foreign file is ignored
@@ -261,7 +264,10 @@ class StepCostModel:
         self.per_context = max(float(per_context), 0.0)  # a: seconds per row and position of context beyond
         self.reference_context = int(reference_context)
         self.correction = OnlineCorrection(alpha)  # plain steps'
-        self.draft_correction = OnlineCorrection(alpha)  # steps that verify drafts
+        self.draft_correction = OnlineCorrection(alpha)  # steps that verify drafts, at every request count
+        #: log2 bucket of requests -> what that bucket's verifying steps take beyond ``draft_correction``
+        self.draft_by_requests: dict[int, OnlineCorrection] = {}
+        self._draft_knots: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per request bucket, until an observation
 
     @classmethod
     def fit(cls, samples: Iterable[StepSample], alpha: float = DEFAULT_ALPHA, monotone: bool = False,
@@ -299,16 +305,39 @@ class StepCostModel:
             seconds = np.maximum(seconds + self.per_context * np.asarray(excess, np.float64), 0.5 * seconds)
         return seconds
 
-    def factor(self, num_tokens: float | np.ndarray, plain_tokens: float | None = None) -> np.ndarray:
+    def factor(self, num_tokens: float | np.ndarray, plain_tokens: float | None = None,
+               num_reqs: int = 1) -> np.ndarray:
         """The online correction at each token count: plain steps' up to ``plain_tokens`` (None: at every count),
-        that of steps verifying drafts above it; a table with no observation yet borrows the other's."""
+        that of steps verifying drafts among ``num_reqs`` requests above it; a table with no observation yet
+        borrows the other's."""
         tokens = np.asarray(num_tokens, np.float64)
         plain_table = self.correction if self.correction.observed else self.draft_correction
         plain = plain_table.factor(tokens)
         if plain_tokens is None:
             return plain
-        draft_table = self.draft_correction if self.draft_correction.observed else plain_table
-        return np.where(tokens > plain_tokens, draft_table.factor(tokens), plain)
+        anchors, logs = self.draft_knots(num_reqs)
+        draft = np.exp(np.interp(np.log2(np.maximum(tokens, 1.0)), anchors, logs)) if len(anchors) else np.ones_like(
+            tokens)
+        return np.where(tokens > plain_tokens, draft, plain)
+
+    def draft_knots(self, num_reqs: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(log2 of tokens, log of the factor) of verifying steps among ``num_reqs`` requests: the table of all
+        verifying steps (the plain steps' before any) times their request bucket's own, summed knot by knot (both
+        are piecewise linear in log2(tokens) and flat beyond their knots, and so is their sum on the union of the
+        knots)."""
+        pooled = self.draft_correction if self.draft_correction.observed else (
+            self.correction if self.correction.observed else self.draft_correction)
+        bucket = log2_bucket(num_reqs)
+        own = self.draft_by_requests.get(bucket)
+        if own is None or not own.observed:
+            return pooled.knots()
+        knots = self._draft_knots.get(bucket)
+        if knots is None:
+            (pooled_x, pooled_y), (own_x, own_y) = pooled.knots(), own.knots()
+            anchors = np.union1d(pooled_x, own_x)
+            logs = np.interp(anchors, own_x, own_y) + (np.interp(anchors, pooled_x, pooled_y) if len(pooled_x) else 0.0)
+            knots = self._draft_knots[bucket] = (anchors, logs)
+        return knots
 
     def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
                      plain_tokens: float | None = None) -> np.ndarray:
@@ -317,7 +346,7 @@ class StepCostModel:
         tokens = np.asarray(num_tokens, np.float64)
         kernel = _predict_kernel()
         if kernel is None:
-            return self.base(tokens, num_reqs, excess) * self.factor(tokens, plain_tokens)
+            return self.base(tokens, num_reqs, excess) * self.factor(tokens, plain_tokens, num_reqs)
         flat = tokens if tokens.ndim == 1 and tokens.flags.c_contiguous else np.ascontiguousarray(tokens.reshape(-1))
         if not self.per_context:
             excess = flat  # not read
@@ -327,9 +356,8 @@ class StepCostModel:
         else:
             excess = np.ascontiguousarray(np.broadcast_to(np.asarray(excess, np.float64), tokens.shape).reshape(-1))
         plain_table = self.correction if self.correction.observed else self.draft_correction
-        draft_table = self.draft_correction if self.draft_correction.observed else plain_table
         plain_anchors, plain_logs = plain_table.knots()
-        draft_anchors, draft_logs = draft_table.knots()
+        draft_anchors, draft_logs = self.draft_knots(num_reqs)
         seconds = kernel(flat, excess, int(num_reqs), 0.0 if plain_tokens is None else float(plain_tokens),
                          plain_tokens is not None, self.curve.x, self.curve.y, float(self.curve.tail_slope),
                          self.per_request, self.per_context, plain_anchors, plain_logs, draft_anchors, draft_logs)
@@ -354,8 +382,17 @@ class StepCostModel:
         base = self.curve.at(float(num_tokens)) + self.per_request * max(int(num_reqs) - 1, 0)
         if self.per_context:  # as base()
             base = max(base + self.per_context * float(excess), 0.5 * base)
-        if base > 0:
-            (self.draft_correction if drafts > 0 else self.correction).observe(num_tokens, seconds / base)
+        if base <= 0:
+            return
+        if drafts <= 0:
+            self.correction.observe(num_tokens, seconds / base)
+            return
+        # the request bucket's own table learns what the shared one, as it was, left over
+        shared = float(self.draft_correction.factor(float(num_tokens))) if self.draft_correction.observed else 1.0
+        self.draft_correction.observe(num_tokens, seconds / base)
+        own = self.draft_by_requests.setdefault(log2_bucket(num_reqs), OnlineCorrection(self.draft_correction.alpha))
+        own.observe(num_tokens, seconds / (base * shared))
+        self._draft_knots.clear()
 
     def table(self, tokens: Sequence[int], num_reqs: int = 1) -> list[tuple[int, int, float, float]]:
         """(tokens, requests, seconds, marginal seconds per token) for each token count."""
