@@ -300,7 +300,7 @@ class StepBudget:
         return {**self.stats, "corrections": self.cost.correction.buckets,
                 "draft_corrections": self.cost.draft_correction.buckets,
                 "draft_corrections_by_requests": {2 ** b: table.buckets for b, table
-                                                  in sorted(getattr(self.cost, "draft_by_requests", {}).items())},
+                                                  in sorted(self.cost.draft_by_requests.items())},
                 "host_ms": self.host_seconds * 1e3,
                 "tree_work_ms": self.tree_work.seconds * 1e3,
                 "drafter_ms": {2 ** b: s * 1e3 for b, s in sorted(self.drafter_cost.timed.buckets.items())}}
