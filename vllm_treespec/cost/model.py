@@ -208,8 +208,7 @@ class OnlineCorrection:
         x = np.asarray(x, np.float64)
         if not self._mean:
             return np.ones_like(x)
-        anchors, logs = self.knots()
-        return np.exp(np.interp(np.log2(np.maximum(x, 1.0)), anchors, logs))
+        return factor_at_knots(x, *self.knots())
 
     def knots(self) -> tuple[np.ndarray, np.ndarray]:
         """(log2 of tokens, log of the factor) at each bucket's knot, in bucket order; empty before any observation.
@@ -230,6 +229,11 @@ class OnlineCorrection:
         self._weight.clear()
         self._position.clear()
         self._table = None
+
+
+def factor_at_knots(x: np.ndarray, anchors: np.ndarray, logs: np.ndarray) -> np.ndarray:
+    """A correction's factor at ``x``: its knots' logs interpolated in log2(x), flat beyond them."""
+    return np.exp(np.interp(np.log2(np.maximum(x, 1.0)), anchors, logs))
 
 
 _KERNEL: list = []  # [the compiled prediction, or None where Numba is missing], imported at the first prediction
@@ -316,8 +320,7 @@ class StepCostModel:
         if plain_tokens is None:
             return plain
         anchors, logs = self.draft_knots(num_reqs)
-        draft = np.exp(np.interp(np.log2(np.maximum(tokens, 1.0)), anchors, logs)) if len(anchors) else np.ones_like(
-            tokens)
+        draft = factor_at_knots(tokens, anchors, logs) if len(anchors) else np.ones_like(tokens)
         return np.where(tokens > plain_tokens, draft, plain)
 
     def draft_knots(self, num_reqs: int = 1) -> tuple[np.ndarray, np.ndarray]:
