@@ -273,7 +273,8 @@ def test_bench_serve_pairs_rounds_at_equal_engine_speed(tmp_path):
     assert level["equal_speed_by"] == "median"
     row = next(line for line in format_table([none, graft]).splitlines() if line.startswith("graft"))
     assert row.split()[4:7] == ["0.96x", "0.90x", "1.01x"]  # vs none, paired, paired at equal engine speed
-    assert row.endswith("45.0 / 44.0 / 30.0 ms")
+    # the plain forwards, then the host time between them: none here (the forwards are a second apart)
+    assert row.endswith("45.0 / 44.0 / 30.0 ms  - / - / - ms")
     few = _serve_entry("graft", {"4": 45.0}, 7)
     add_forward_times(few, [(10.0 + j, 4, 40.0, None) for j in range(5)], {"4": (10.0, 40.0)})
     assert few["levels"]["4"]["plain_forward"] is None  # too few forwards to read a speed from

@@ -367,16 +367,19 @@ def test_deferred_segments_are_written_in_contiguous_runs():
     assert _contiguous_runs(pieces) == [(0, 10, 4), (0, 20, 2), (1, 5, 2), (0, 22, 1)]
 
 
-def test_a_batchs_committed_rows_are_cut_per_request_as_the_context_lays_them_out():
+@pytest.mark.parametrize("gap", [0, 2])
+def test_a_batchs_committed_rows_are_cut_per_request_as_the_context_lays_them_out(gap):
     """``_segments`` gathers the whole batch at once: request i's rows ``hidden_row_start[i] .. hidden_row_index[i]``
     of every aux layer side by side, the tokens after them (``token_ids[i, p + 1]``) and their positions; a request
-    without rows this step (start past index) gets no segment, and each segment is a copy the runner may overwrite."""
+    without rows this step (start past index) gets no segment, and each segment is a copy the runner may overwrite.
+    ``gap``: rows between the requests' committed rows (a verifying step's rejected drafts), so that the rows are
+    gathered, not sliced."""
     counts = [1, 0, 5, 1, 3, 0]
-    first_row = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    first_row = np.concatenate([[0], np.cumsum(np.array(counts) + gap)[:-1]])
     first_position = np.array([40, 7, 12, 99, 0, 3])
     rng = np.random.default_rng(3)
     token_ids = rng.integers(0, VOCAB, size=(len(counts), 128)).astype(np.int32)
-    aux = [torch.randn(sum(counts) + 2, HIDDEN) for _ in range(3)]
+    aux = [torch.randn(sum(counts) + gap * len(counts) + 2, HIDDEN) for _ in range(3)]
     ctx = ProposeContext(req_ids=[f"r{i}" for i in range(len(counts))], sampled_token_ids=[[1]] * len(counts),
                          num_tokens=first_position + np.array(counts) + 1, token_ids=token_ids, max_nodes=8,
                          aux_hidden_states=aux, hidden_row_index=first_row + np.array(counts) - 1,

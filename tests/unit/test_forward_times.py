@@ -111,3 +111,21 @@ def test_a_plain_forward_records_its_context_and_a_level_fits_its_forwards_to_it
     assert forward_times.window_fit(records, 999.0, 2000.0, reqs=2, min_count=1) is None  # none of 2 requests
     one_context = [(1000.0 + j, 4, 30.0, 500) for j in range(5)]
     assert forward_times.window_fit(one_context, 999.0, 2000.0, reqs=4, min_count=1) is None  # no line through one
+
+
+def test_the_host_time_between_consecutive_plain_forwards_is_read_per_level():
+    """``window_gap``: the next plain forward's start less this one's start and length, for consecutive forwards of
+    the level's request count; a pair with a forward's time or more between them had another step in between (a
+    prefill, a verifying step) and does not count, nor does a pair with a forward of another request count between
+    them, nor forwards outside the window."""
+    records = [(1000.000, 4, 50.0, None), (1000.060, 4, 50.0, None),  # 10 ms of host work
+               (1000.122, 4, 50.0, None),  # 12 ms
+               (1000.300, 4, 50.0, None),  # 128 ms: another step in between
+               (1000.356, 4, 50.0, None),  # 6 ms
+               (1000.410, 2, 30.0, None), (1000.445, 2, 30.0, None),  # 2 requests: 5 ms, another reading
+               (1000.480, 4, 50.0, None),  # 4 requests again: 40 ms after the last 4, but with 2s between
+               (2000.000, 4, 50.0, None), (2000.051, 4, 50.0, None)]  # outside the window
+    median, count = forward_times.window_gap(records, 999.0, 2000.0, reqs=4, min_count=3)
+    assert (median, count) == (pytest.approx(10.0), 3)
+    assert forward_times.window_gap(records, 999.0, 2000.0, reqs=2, min_count=1) == (pytest.approx(5.0), 1)
+    assert forward_times.window_gap(records, 999.0, 2000.0, reqs=4, min_count=4) is None  # too few pairs

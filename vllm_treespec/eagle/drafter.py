@@ -317,17 +317,29 @@ class EagleDrafter:
 
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
         """(batch row, aux hidden rows [n, n_aux * H] (a copy), tokens, positions) of every request's newly
-        committed rows."""
-        rows, spans, tokens, positions = _committed_rows(ctx)
-        if not rows:
+        committed rows. Runs on every step, drafting or not: one gather for the whole batch (a slice where the rows
+        are consecutive, as in a plain decode step) and numpy index arithmetic instead of a loop over requests."""
+        num_reqs = ctx.num_reqs
+        first = np.asarray(ctx.hidden_row_start[:num_reqs], np.int64)
+        counts = np.asarray(ctx.hidden_row_index[:num_reqs], np.int64) - first + 1
+        rows = np.flatnonzero(counts > 0)
+        if not len(rows):
             return []
-        index = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans]))
-        aux = torch.cat([a[index] for a in ctx.aux_hidden_states[: len(self.aux_layers)]], -1)
-        out, offset = [], 0
-        for i, (a, b), t, p in zip(rows, spans, tokens, positions):
-            out.append((i, aux[offset: offset + b - a], np.array(t, np.int64), p))  # t views the runner's buffer
-            offset += b - a
-        return out
+        counts = counts[rows]
+        ends = np.cumsum(counts)
+        within = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)  # each row's index in its segment
+        source = np.repeat(first[rows], counts) + within  # the rows in the step's hidden states
+        positions = np.repeat(np.asarray(ctx.hidden_position_start[:num_reqs], np.int64)[rows], counts) + within
+        tokens = ctx.token_ids[np.repeat(rows, counts), positions + 1].astype(np.int64)
+        layers = ctx.aux_hidden_states[: len(self.aux_layers)]
+        low = int(source[0])
+        if int(source[-1]) - low + 1 == len(source) and (len(source) == 1 or bool((np.diff(source) == 1).all())):
+            aux = torch.cat([a[low: low + len(source)] for a in layers], -1)
+        else:
+            index = torch.from_numpy(source)
+            aux = torch.cat([a.index_select(0, index) for a in layers], -1)
+        starts = (ends - counts).tolist()
+        return [(i, aux[a:b], tokens[a:b], positions[a:b]) for i, a, b in zip(rows.tolist(), starts, ends.tolist())]
 
     def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]],
                         asked: Sequence[int] = (), requests: set[str] | None = None):
@@ -518,23 +530,6 @@ class EagleDrafter:
             raise AssertionError("EAGLE rerank dropped a parent of a kept node")
         tokens = self.d2t[np.asarray(g.tokens, np.int64)[chosen]]
         return DraftTree(tokens, out_parents, np.exp(np.asarray(g.logps)[chosen]).astype(np.float32))
-
-
-def _committed_rows(ctx: ProposeContext) -> tuple[list[int], list[tuple[int, int]], list, list]:
-    """The batch rows with newly committed rows this step: their hidden-state row spans, the tokens after those rows
-    and their positions."""
-    rows, spans, tokens, positions = [], [], [], []
-    for i in range(ctx.num_reqs):
-        r0, r1 = int(ctx.hidden_row_start[i]), int(ctx.hidden_row_index[i])
-        n = r1 - r0 + 1
-        if n <= 0:
-            continue
-        p0 = int(ctx.hidden_position_start[i])
-        rows.append(i)
-        spans.append((r0, r1 + 1))
-        tokens.append(ctx.token_ids[i, p0 + 1: p0 + n + 1])
-        positions.append(np.arange(p0, p0 + n))
-    return rows, spans, tokens, positions
 
 
 def _contiguous_runs(pieces: list[tuple[int, Any, np.ndarray, np.ndarray]]) -> list[tuple[int, int, int]]:

@@ -118,6 +118,24 @@ def window_reading(records: list[tuple[float, int, float, int | None]], start: f
     return (statistics.median(times), reqs, len(times)) if len(times) >= min_count else None
 
 
+def window_gap(records: list[tuple[float, int, float, int | None]], start: float, end: float, reqs: int,
+               min_count: int) -> tuple[float, int] | None:
+    """(median ms, count) of the host time between consecutive plain forwards of ``reqs`` requests that started in
+    [start, end) (no plain forward of another request count between them): the next one's start less this one's
+    start and length, i.e. the engine's work between two forwards (sampling, the drafter's call, scheduling, output
+    processing, input preparation). Only pairs with less than a forward's time between them count: anything longer
+    had a step that is not recorded in between (a prefill, a verifying step: never shorter than a plain forward of
+    its requests). Two servers' host work per step compares through it far more finely than their throughput does.
+    None with fewer than ``min_count`` pairs."""
+    window = [(started, r, ms) for started, r, ms, _ in records if start <= started < end]
+    gaps = []
+    for (started, r, ms), (following, r_next, _) in zip(window, window[1:]):
+        gap = (following - started) * 1e3 - ms
+        if r == r_next == reqs and 0 <= gap < ms:
+            gaps.append(gap)
+    return (statistics.median(gaps), len(gaps)) if len(gaps) >= min_count else None
+
+
 def window_fit(records: list[tuple[float, int, float, int | None]], start: float, end: float, reqs: int,
                min_count: int) -> tuple[float, float, float, float, float] | None:
     """The plain forwards of ``reqs`` requests that started in [start, end) as a line in their context: (ms at no

@@ -293,7 +293,9 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
     (``{"ms", "reqs", "count"}``), and where the forwards recorded their context, the line they follow in it
     (``"fit"``: ms at no context and per 1000 tokens of context,
     :func:`~vllm_treespec.patches.forward_times.window_fit`), their median context (``"context"``) and its 10th to
-    90th percentiles (``"context_range"``); None where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+    90th percentiles (``"context_range"``); the median host time between two consecutive plain forwards
+    (``"between_ms"``, over ``"between_count"`` pairs, :func:`~vllm_treespec.patches.forward_times.window_gap`);
+    None where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
     for level, (start, end) in windows.items():
         if level in entry["levels"]:
             reading = forward_times.window_reading(records, start, end, MIN_PLAIN_FORWARDS)
@@ -302,6 +304,10 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
                                                                         MIN_PLAIN_FORWARDS)
             if fit is not None:
                 plain.update(fit=[fit[0], fit[1]], context=fit[3], context_range=[fit[2], fit[4]])
+            gap = None if reading is None else forward_times.window_gap(records, start, end, reading[1],
+                                                                         MIN_PLAIN_FORWARDS)
+            if gap is not None:
+                plain.update(between_ms=gap[0], between_count=gap[1])
             entry["levels"][level]["plain_forward"] = plain
 
 
@@ -457,7 +463,7 @@ def format_table(methods: list[dict[str, Any]]) -> str:
     header = ["method", "conc", "ok/sent", "out tok/s", "vs none", "paired", "paired, eq. speed", "vs vLLM's best",
               "req/s",
               "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50", "tok/chunk", "verify steps", "vs own plain",
-              "rounds tok/s", "plain fwd"]
+              "rounds tok/s", "plain fwd", "between fwds"]
     table = [header]
     ms = lambda v: "-" if v is None else f"{v * 1000:.0f}ms"  # noqa: E731
     for m in methods:
@@ -470,13 +476,16 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             equal = f"{s['vs_none_paired_equal_speed']:.2f}x" if "vs_none_paired_equal_speed" in s else "-"
             builtin = f"{s['vs_builtin']['paired']:.2f}x {s['vs_builtin']['label']}" if "vs_builtin" in s else "-"
             rounds = " / ".join(f"{v:.1f}" for v in s.get("rounds_tok_per_s", []))
+            plains = s.get("rounds_plain_forward") or [s.get("plain_forward")]
             forwards = s.get("rounds_plain_forward_ms") or [(s.get("plain_forward") or {}).get("ms")]
+            between = [(p or {}).get("between_ms") for p in plains]
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
                           ratio, paired, equal, builtin, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),
                           ms(s["ttft_s"]["p99"]), ms(s["itl_s"]["p50"]), ms(s["itl_s"]["p99"]), ms(s["tpot_s"]["p50"]),
                           f"{s['tokens_per_chunk']:.2f}", verify_share(s.get("budget")), own_plain_cell(s),
                           rounds or "-",
-                          " / ".join("-" if v is None else f"{v:.1f}" for v in forwards) + " ms"])
+                          " / ".join("-" if v is None else f"{v:.1f}" for v in forwards) + " ms",
+                          " / ".join("-" if v is None else f"{v:.1f}" for v in between) + " ms"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]

@@ -250,8 +250,8 @@ class ExpectationCorrection:
 
     def shrunk_to(self, prior_factor: float) -> float:
         """Accepted over expected with ``prior`` pseudo-tokens at ``prior_factor``, within the correction's range."""
-        low, high = EXPECTATION_LIMITS
-        return float(np.clip((self.accepted + self.prior * prior_factor) / (self.expected + self.prior), low, high))
+        low, high = EXPECTATION_LIMITS  # min/max, not np.clip: read twice a step, and np.clip of a scalar is ~10x slower
+        return min(max((self.accepted + self.prior * prior_factor) / (self.expected + self.prior), low), high)
 
 
 class RequestCorrection:
@@ -274,7 +274,8 @@ class RequestCorrection:
     def factor(self, req_id: str, batch_factor: float) -> float:
         correction = self._requests.get(req_id)
         if correction is None:  # no verified drafts yet: the batch's
-            return float(np.clip(batch_factor, *EXPECTATION_LIMITS))
+            low, high = EXPECTATION_LIMITS
+            return min(max(float(batch_factor), low), high)
         return correction.shrunk_to(batch_factor)
 
     def forget(self, req_ids: set[str]) -> None:

@@ -45,10 +45,10 @@ CONTRACT_MODULES = ("vllm_treespec.verify", "vllm_treespec.kv_view", "vllm_trees
                     "vllm_treespec.cost", "vllm_treespec.patches.cpu_worker", "vllm_treespec.patches.gpu_worker",
                     "vllm_treespec.patches.draft_delivery")
 RUNNER_ATTRIBUTES = (
-    "_draft_prob_req_ids", "_draft_probs", "_dummy_run", "_sync_device", "drafter", "input_batch", "kv_cache_config",
-    "max_model_len", "max_num_tokens", "model", "positions", "query_start_loc", "requests", "scheduler_config",
-    "speculative_config", "take_draft_token_ids", "uniform_decode_query_len", "use_aux_hidden_state_outputs",
-    "uses_mrope", "vllm_config",
+    "_draft_prob_req_ids", "_draft_probs", "_dummy_run", "_sync_device", "device", "drafter", "input_batch",
+    "kv_cache_config", "max_model_len", "max_num_tokens", "model", "positions", "query_start_loc", "requests",
+    "scheduler_config", "speculative_config", "take_draft_token_ids", "uniform_decode_query_len",
+    "use_aux_hidden_state_outputs", "uses_mrope", "vllm_config",
 )
 INPUT_BATCH_ATTRIBUTES = (
     "block_table", "num_computed_tokens_cpu", "num_prompt_tokens", "num_reqs", "num_tokens_no_spec", "req_id_to_index",
