@@ -332,8 +332,8 @@ class EagleDrafter:
         positions = np.repeat(np.asarray(ctx.hidden_position_start[:num_reqs], np.int64)[rows], counts) + within
         tokens = ctx.token_ids[np.repeat(rows, counts), positions + 1].astype(np.int64)
         layers = ctx.aux_hidden_states[: len(self.aux_layers)]
-        low = int(source[0])
-        if int(source[-1]) - low + 1 == len(source) and (len(source) == 1 or bool((np.diff(source) == 1).all())):
+        if bool((np.diff(source) == 1).all()):  # consecutive rows (a plain decode step): one slice per layer
+            low = int(source[0])
             aux = torch.cat([a[low: low + len(source)] for a in layers], -1)
         else:
             index = torch.from_numpy(source)

@@ -477,7 +477,7 @@ def format_table(methods: list[dict[str, Any]]) -> str:
             builtin = f"{s['vs_builtin']['paired']:.2f}x {s['vs_builtin']['label']}" if "vs_builtin" in s else "-"
             rounds = " / ".join(f"{v:.1f}" for v in s.get("rounds_tok_per_s", []))
             plains = s.get("rounds_plain_forward") or [s.get("plain_forward")]
-            forwards = s.get("rounds_plain_forward_ms") or [(s.get("plain_forward") or {}).get("ms")]
+            forwards = [(p or {}).get("ms") for p in plains]
             between = [(p or {}).get("between_ms") for p in plains]
             table.append([m["label"], level, f"{s['succeeded']}/{s['requests']}", f"{s['output_tok_per_s']:.1f}",
                           ratio, paired, equal, builtin, f"{s['requests_per_s']:.2f}", ms(s["ttft_s"]["p50"]),

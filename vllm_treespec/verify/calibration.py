@@ -227,6 +227,13 @@ class AcceptanceCalibration:
                        for a, t in zip(accepts[i], trials[i])] for i, name in enumerate(self.names)}
 
 
+def within_expectation_limits(factor: float) -> float:
+    """``factor`` clipped to :data:`EXPECTATION_LIMITS` (min/max, not np.clip: read on every step, and np.clip of a
+    scalar costs ~10x more)."""
+    low, high = EXPECTATION_LIMITS
+    return min(max(factor, low), high)
+
+
 class ExpectationCorrection:
     """Accepted drafts over what the calibrated probabilities expected for them (the sum of the verified nodes' path
     probabilities), both sums decayed per step: the per-bin rates lag (a fresh engine starts from the sources' raw
@@ -250,8 +257,7 @@ class ExpectationCorrection:
 
     def shrunk_to(self, prior_factor: float) -> float:
         """Accepted over expected with ``prior`` pseudo-tokens at ``prior_factor``, within the correction's range."""
-        low, high = EXPECTATION_LIMITS  # min/max, not np.clip: read twice a step, and np.clip of a scalar is ~10x slower
-        return min(max((self.accepted + self.prior * prior_factor) / (self.expected + self.prior), low), high)
+        return within_expectation_limits((self.accepted + self.prior * prior_factor) / (self.expected + self.prior))
 
 
 class RequestCorrection:
@@ -274,8 +280,7 @@ class RequestCorrection:
     def factor(self, req_id: str, batch_factor: float) -> float:
         correction = self._requests.get(req_id)
         if correction is None:  # no verified drafts yet: the batch's
-            low, high = EXPECTATION_LIMITS
-            return min(max(float(batch_factor), low), high)
+            return within_expectation_limits(float(batch_factor))
         return correction.shrunk_to(batch_factor)
 
     def forget(self, req_ids: set[str]) -> None:

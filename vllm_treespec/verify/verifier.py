@@ -287,7 +287,8 @@ class TreeVerifier:
         plan.publish(None)
         metadata = spec_decode_metadata
         if metadata is None or not any(metadata.num_draft_tokens):
-            # vLLM builds spec-decode metadata for every step of a speculative engine and runs its rejection sampler
+            # vLLM builds spec-decode metadata for every step of a speculative engine (on CPU a step without drafts
+            # is prepared without it: patches.model_runner.prepare_inputs_of_step) and runs its rejection sampler
             # even when no request has a draft; without drafts that is the plain sampler's result at about twice
             # its cost (~0.5 ms a step on CPU): take the plain sampler, as without speculation
             return original(logits, None)
