@@ -298,6 +298,45 @@ def test_the_gates_expected_rate_follows_every_change_of_its_gains():
     assert rates[0] > rates[1] > rates[2] and rates[3] == rates[0]
 
 
+def test_skipped_steps_reuse_one_prediction_for_a_few_decisions():
+    """A gate that keeps skipping on the same requests predicts its candidate steps once every REPRICE_EVERY
+    decisions; the drafter's price counts at once, and another batch size, new gains or a draft predict afresh."""
+    from vllm_treespec.cost.allocate import REPRICE_EVERY
+
+    class Counting(Curve):
+        calls = 0
+
+        def predict_many(self, num_tokens, num_reqs=1, plain_tokens=None):
+            self.calls += 1
+            return super().predict_many(num_tokens, num_reqs, plain_tokens)
+
+    class Drafter:
+        seconds = 0.003  # 5% of MIDDLE's plain step: not free
+
+        def predict(self, x):
+            return self.seconds
+
+    curve, drafter = Counting(MIDDLE.fn), Drafter()
+    gate = DraftGate(curve, drafter, probe_every=10_000)
+    gate.record([star([0.2, 0.1])])  # worth less than MIDDLE's 6 ms a node: it skips
+    assert not any(gate.should_draft(4) for _ in range(3 * REPRICE_EVERY))
+    assert curve.calls == 3
+    assert not gate.should_draft(5) and curve.calls == 4  # another batch size
+    gate.marginal = np.array([0.99, 0.99])  # new gains: the next decision is predicted afresh, and they pay
+    assert gate.should_draft(5) and curve.calls == 5
+    drafter.seconds = 1.0  # a call dearer than anything its trees save: skipped at once, on the same prediction
+    assert not gate.should_draft(5) and curve.calls == 6
+    drafter.seconds = 0.003
+    assert gate.should_draft(5) and curve.calls == 6
+    # a prediction goes stale for at most REPRICE_EVERY decisions: a step cost that fell is seen within them
+    stale = DraftGate(curve, None, probe_every=10_000)
+    stale.record([star([0.2])])
+    assert not stale.should_draft(5)
+    curve.fn = FLAT.fn
+    decisions = [stale.should_draft(5) for _ in range(REPRICE_EVERY)]
+    assert decisions == [False] * (REPRICE_EVERY - 1) + [True]
+
+
 def test_draft_gate_runs_the_drafter_only_when_it_pays():
     trees = [star([0.8, 0.4, 0.2])]
     gate = DraftGate(FLAT, drafter_cost=None, probe_every=3)

@@ -259,6 +259,11 @@ def _zero_padded_sum(arrays: Sequence[np.ndarray], size: int = 0) -> np.ndarray:
 
 #: :attr:`DraftGate.gains` per node: the batch sizes whose best nodes it tells apart exactly divide it
 GAIN_RESOLUTION = 16
+#: consecutive skipped steps a gate decides on one prediction of its candidate steps while its batch and its trees'
+#: gains stay the same (:meth:`DraftGate.should_draft`): predicting every candidate node count took ~0.1 ms of each
+#: plain step at 16 requests, and what enters it (the online corrections, host time, contexts) moves little in a few
+#: steps
+REPRICE_EVERY = 8
 
 
 def load_bucket(num_reqs: int) -> int:
@@ -302,6 +307,9 @@ class DraftGate:
     for verification (``probe_seconds`` is the rest): uncounted, graft's calls for the 5-8 requests of a probe at
     14-16 bf16 requests took 10-18 ms beside an allowance of 20-40 ms, and its two probes in a 16-request batch cost
     1.1% of the batch's decode time.
+    A run of skipped steps on the same requests re-uses one prediction of its candidate steps for up to
+    ``REPRICE_EVERY`` decisions (the online corrections, host time and contexts in it move little in a few steps);
+    the drafter's price is added anew each time, and new gains, a draft or a probe predict afresh.
     Feed it every drafted step's trees (:meth:`record`), before or after :func:`allocate`."""
 
     def __init__(self, cost: StepCost, drafter_cost: DrafterCost | None = None, alpha: float = 0.2,
@@ -333,6 +341,9 @@ class DraftGate:
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
         self._after_probe = False  # no decision since the last probe
         self.last_rates: tuple[float, float] | None = None  # (best with drafting, plain) of the last priced decision
+        #: the prediction skipped steps re-use: ((cost model, requests, max nodes, base tokens), decisions it served,
+        #: (expected tokens, predicted seconds) by drafts admitted)
+        self._priced: tuple[tuple[int, int, int | None, int | None], int, tuple[np.ndarray, np.ndarray]] | None = None
 
     @property
     def marginal(self) -> np.ndarray | None:
@@ -354,6 +365,7 @@ class DraftGate:
     def gains(self, value: np.ndarray | None) -> None:
         self._gains = value
         self._prefix: tuple[tuple[int, int | None], np.ndarray, np.ndarray] | None = None
+        self._priced = None
 
     def _gain_prefix(self, num_reqs: int, max_nodes: int | None) -> tuple[np.ndarray, np.ndarray]:
         """(k = 0..K, expected tokens of a step of ``num_reqs`` requests with its best k nodes), kept until the
@@ -433,13 +445,25 @@ class DraftGate:
                       drafter_seconds: float = 0.0, row_excess: float | None = None) -> tuple[float, float]:
         """(best rate with drafting, plain rate) for a batch of ``num_reqs`` decoding requests (``row_excess``: the
         context term of one of their rows, on average; None: at the curve's context)."""
-        base = num_reqs if base_tokens is None else base_tokens
         k_all, tokens = self._gain_prefix(num_reqs, max_nodes)
+        return self._best_rates(tokens, self._step_seconds(num_reqs, k_all, base_tokens, row_excess),
+                                drafter_seconds)
+
+    def _step_seconds(self, num_reqs: int, k_all: np.ndarray, base_tokens: int | None,
+                      row_excess: float | None) -> np.ndarray:
+        """The predicted step of ``num_reqs`` decoding requests with each count of ``k_all`` drafts."""
+        base = num_reqs if base_tokens is None else base_tokens
         excess = None if row_excess is None else (num_reqs + k_all) * row_excess
-        seconds = _predict(self.cost, base + k_all, num_reqs, excess, base)
-        seconds[1:] += drafter_seconds + self.overhead
-        rates = tokens / np.maximum(seconds, 1e-12)
-        return float(rates[1:].max()) if k_all.size > 1 else 0.0, float(rates[0])
+        return _predict(self.cost, base + k_all, num_reqs, excess, base)
+
+    def _best_rates(self, tokens: np.ndarray, seconds: np.ndarray, drafter_seconds: float) -> tuple[float, float]:
+        """(best rate with drafting, plain rate) of steps of ``seconds`` and expected ``tokens`` (plain first), a
+        step with drafts ``drafter_seconds`` and the tree work dearer."""
+        plain = float(tokens[0] / max(seconds[0], 1e-12))
+        if seconds.size < 2:
+            return 0.0, plain
+        drafting = tokens[1:] / np.maximum(seconds[1:] + (drafter_seconds + self.overhead), 1e-12)
+        return float(drafting.max()), plain
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                      row_excess: float | None = None, extra_seconds: float = 0.0,
@@ -460,7 +484,7 @@ class DraftGate:
             return self._probe(None)
         measured = self._measured_call(num_reqs)
         drafter = (measured or 0.0) + extra_seconds  # a drafter not timed yet counts as free: it drafts, is timed
-        best, plain = self.expected_best(num_reqs, max_nodes, base_tokens, drafter, row_excess)
+        best, plain = self._rates(num_reqs, max_nodes, base_tokens, drafter, row_excess)
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
         cheap = measured is not None and plain > 0 and drafter <= self.free_share * num_reqs / plain
@@ -468,6 +492,7 @@ class DraftGate:
         if best > max(plain, rival_rate or 0.0) or cheap or saves:
             self.skipped = 0
             self.interval = self.probe_every
+            self._priced = None
             return True
         if self.skipped >= self.interval:
             affordable, call = self._affordable_nodes(num_reqs, base_tokens, row_excess, limit=num_reqs,
@@ -481,6 +506,22 @@ class DraftGate:
         if plain > 0:
             self.allowance += self.probe_share * num_reqs / plain  # a share of the plain step's predicted seconds
         return False
+
+    def _rates(self, num_reqs: int, max_nodes: int | None, base_tokens: int | None, drafter_seconds: float,
+               row_excess: float | None) -> tuple[float, float]:
+        """:meth:`expected_best`, its predicted steps re-used for up to ``REPRICE_EVERY`` consecutive decisions on the
+        same requests, caps and gains (a decision to draft, a probe or new gains price the next one afresh); the
+        drafter's price and the tree work are added anew each time."""
+        key = (id(self.cost), int(num_reqs), max_nodes, base_tokens)
+        priced = self._priced
+        if priced is not None and priced[0] == key and priced[1] < REPRICE_EVERY:
+            self._priced = (key, priced[1] + 1, priced[2])
+            tokens, seconds = priced[2]
+        else:
+            k_all, tokens = self._gain_prefix(num_reqs, max_nodes)
+            seconds = self._step_seconds(num_reqs, k_all, base_tokens, row_excess)
+            self._priced = (key, 1, (tokens, seconds))
+        return self._best_rates(tokens, seconds, drafter_seconds)
 
     def _affordable_nodes(self, num_reqs: int, base_tokens: int | None, row_excess: float | None,
                           limit: int, per_request: float = 0.0) -> tuple[int, float]:
@@ -508,6 +549,7 @@ class DraftGate:
         """Draft this step to learn what the trees are worth, verifying at most ``seconds`` more (None: uncapped),
         for at most ``requests`` requests (None: all)."""
         self.skipped = 0
+        self._priced = None
         self.probing = self._after_probe = True
         self.probe_seconds = seconds
         self.probe_requests = requests
