@@ -268,6 +268,17 @@ def test_the_gate_skips_the_drafter_when_its_trees_do_not_pay():
     assert budget.stats["skipped_drafts"] == 3
 
 
+def test_a_step_without_trees_leaves_nothing_of_the_last_ones_handed_over():
+    """A step that drafts nothing (its gate skipped the drafter) hands vLLM no drafts, and nothing of the trees the
+    step before handed over stays pending or remembered, to be matched to a later step's drafts."""
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})  # flat: every node pays
+    assert verifier.propose([[9], [3], [6]])[0]
+    assert "a" in verifier.pending and "a" in verifier.acceptance._proposed
+    verifier.never_draft = True  # the path of a step whose gate skips the drafter
+    assert verifier.propose([[9], [3], [6]]) == [[], [], []]
+    assert verifier.pending == {} and verifier.acceptance._proposed == {}
+
+
 def test_install_at_startup(monkeypatch, caplog):
     from vllm_treespec.cost import budget as budget_module
     from vllm_treespec.settings import ADDITIONAL_CONFIG_KEY

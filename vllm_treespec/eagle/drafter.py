@@ -338,8 +338,10 @@ class EagleDrafter:
         else:
             index = torch.from_numpy(source)
             aux = torch.cat([a.index_select(0, index) for a in layers], -1)
+        pieces = aux.split(counts.tolist())  # one call for every request's view, not one slice each
         starts = (ends - counts).tolist()
-        return [(i, aux[a:b], tokens[a:b], positions[a:b]) for i, a, b in zip(rows.tolist(), starts, ends.tolist())]
+        return [(i, piece, tokens[a:b], positions[a:b])
+                for i, piece, a, b in zip(rows.tolist(), pieces, starts, ends.tolist())]
 
     def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]],
                         asked: Sequence[int] = (), requests: set[str] | None = None):

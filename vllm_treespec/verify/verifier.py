@@ -155,12 +155,13 @@ class TreeVerifier:
             ctx.useful_nodes = 2 * max(nodes for _, nodes in self._admitted) + 1
         started = time.perf_counter()
         drafted, drafting, glanced = self._draft(ctx)
-        proposed = [t if ctx.needs_draft(i) else None for i, t in enumerate(drafted)]
-        if drafting:
-            # nodes no step can commit (the request ends first) are neither priced nor verified
-            reach = committable_depths(self.runner.requests, req_ids, input_batch.num_tokens_no_spec,
-                                       input_batch.num_prompt_tokens, self.runner.max_model_len)
-            proposed = [cut_to_depth(t, int(d)) for t, d in zip(proposed, reach)]
+        if not drafting:  # no tree for any request (the gate skipped the drafter, or none needs a draft)
+            return self._hand_over_nothing(num_reqs, tracking, ctx.expectation_factor)
+        # nodes no step can commit (the request ends first) are neither priced nor verified
+        reach = committable_depths(self.runner.requests, req_ids, input_batch.num_tokens_no_spec,
+                                   input_batch.num_prompt_tokens, self.runner.max_model_len)
+        proposed = [cut_to_depth(t, int(d)) if ctx.needs_draft(i) else None
+                    for i, (t, d) in enumerate(zip(drafted, reach))]
         trees = proposed
         if self.budget is not None:
             # A probe is priced without the expectation correction: the correction learns only from verified drafts,
@@ -168,9 +169,9 @@ class TreeVerifier:
             # (one unlucky prompt kept graft off for the rest of a batch-1 run)
             probing = self.budget.gate.probing
             calibrated = self.acceptance.calibrate(proposed, corrected=not probing, req_ids=req_ids)
-            trees = self.budget.admit(calibrated, num_reqs, drafted=bool(drafting), row_excess=row_excess,
-                                      drafting_requests=drafting or None, glance=glanced)
-            if drafting and not glanced:
+            trees = self.budget.admit(calibrated, num_reqs, row_excess=row_excess, drafting_requests=drafting,
+                                      glance=glanced)
+            if not glanced:
                 admitted = [t for t in trees if t is not None and t.num_nodes]
                 self._admitted.append((max((int(t.depths().max()) for t in admitted), default=0),
                                        max((t.num_nodes for t in admitted), default=0)))
@@ -180,7 +181,7 @@ class TreeVerifier:
             self.acceptance.handed(req_ids, proposed, trees)
         drafts, self.pending = flatten_trees(ctx, trees,
                                              lambda req_id: bool(self.enabled) and self._request_can_use_tree(req_id))
-        if self.budget is not None and drafting and not glanced:
+        if self.budget is not None and not glanced:
             # the price of drafting at all: the drafter's call and the host work that pricing and handing over its
             # trees takes (calibration, allocation, flattening); the gate weighs it against what the trees yield. A
             # drafter the proposer gates itself (graft's head) is priced by the proposer's gate, not by this one.
@@ -190,6 +191,16 @@ class TreeVerifier:
             if ctx.self_gated_seconds and self.budget.trace is not None:
                 self.budget.trace.plan(head_ms=ctx.self_gated_seconds * 1e3)
         return drafts
+
+    def _hand_over_nothing(self, num_reqs: int, tracking: bool, factor: float) -> list[list[int]]:
+        """What pricing and handing over a step's trees does when it has none, without walking them: a plain step
+        at 8-16 served requests is most steps, and each of those walks cost tens of microseconds there."""
+        if self.budget is not None and self.budget.trace is not None:
+            self.budget.trace.plan(factor=factor)
+        if tracking:
+            self.acceptance.handed((), (), ())
+        self.pending = {}
+        return [[] for _ in range(num_reqs)]
 
     def _tracks_acceptance(self) -> bool:
         """Learn acceptance rates: the budget weighs nodes by them, a proposer with named sources ranks by them."""
