@@ -13,7 +13,7 @@ verifying drafts, and the median absolute error, as traced and as replayed; then
 trace without its record, whose cached record an engine has since re-measured (its start-up spot check replaces a
 cached curve that no longer fits), matches no record and is skipped.
 
-    python scripts/replay_cost_trace.py OUT_DIR/budget-*.jsonl.* [--by-requests] [--record CURVE.json]
+    python scripts/replay_cost_trace.py OUT_DIR/budget-*.jsonl.* [--by-requests] [--by-context] [--record CURVE.json]
 """
 
 from __future__ import annotations
@@ -136,13 +136,28 @@ REQUEST_RANGES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 1 << 30))
 def by_requests(steps: list[Step], rows: list[tuple[float, float | None, float, bool]]) -> str:
     """Median errors (traced / replayed) over the verifying steps of each range of requests, steps in brackets
     (``rows``: :func:`replay`'s, one per :func:`timed` step)."""
+    return _by_ranges(steps, rows, lambda step: step.reqs, REQUEST_RANGES)
+
+
+#: ranges of --by-context: a step's context term per row (positions beyond the curve's context, on average)
+CONTEXT_RANGES = ((-(1 << 30), -1), (0, 199), (200, 399), (400, 799), (800, 1 << 30))
+
+
+def by_context(model: StepCostModel, steps: list[Step], rows: list[tuple[float, float | None, float, bool]]) -> str:
+    """As :func:`by_requests`, by the step's context term per row (:func:`excess_of` over its tokens): a model whose
+    context slope misfits prices long-context steps off in one direction and short ones in the other."""
+    return _by_ranges(steps, rows, lambda step: excess_of(model, step) / step.tokens, CONTEXT_RANGES)
+
+
+def _by_ranges(steps: list[Step], rows: list[tuple[float, float | None, float, bool]], value,
+               ranges: tuple[tuple[int, int], ...]) -> str:
     parts = []
-    for low, high in REQUEST_RANGES:
-        picked = [(r, t, m) for step, (r, t, m, v) in zip(timed(steps), rows) if v and low <= step.reqs <= high]
+    for low, high in ranges:
+        picked = [(r, t, m) for step, (r, t, m, v) in zip(timed(steps), rows) if v and low <= value(step) < high + 1]
         if picked:
             traced = statistics.median(t / m - 1 for _, t, m in picked) if all(t for _, t, _ in picked) else None
             replayed = statistics.median(r / m - 1 for r, _, m in picked)
-            name = f"{low}-{high}" if high < 1 << 30 else f"{low}+"
+            name = f"{low}+" if high >= 1 << 30 else f"<{high + 1}" if low <= -(1 << 30) else f"{low}-{high}"
             parts.append(f"{name}: {percent(traced).strip()} / {percent(replayed).strip()} ({len(picked)})")
     return ", ".join(parts) or "none"
 
@@ -161,6 +176,9 @@ def main() -> None:
                              "again, say: vllm-treespec cost-model writes the cache)")
     parser.add_argument("--by-requests", action="store_true",
                         help="also print each trace's median error over its verifying steps by requests in the step")
+    parser.add_argument("--by-context", action="store_true",
+                        help="also print each trace's median error over its verifying steps by their context per "
+                             "row (positions beyond the curve's context)")
     args = parser.parse_args()
     records = {str(p): msgspec.json.decode(p.read_bytes(), type=CostRecord) for p in Path(args.cache).glob("*.json")}
     forced = msgspec.json.decode(Path(args.record).read_bytes(), type=CostRecord) if args.record else None
@@ -174,7 +192,8 @@ def main() -> None:
         if record is None:
             print(f"{path[-44:]:44} skipped: {'batched steps' if steps is None else 'no cached record made it'}")
             continue
-        rows = replay(record.step_model(), steps)
+        model = record.step_model()
+        rows = replay(model, steps)
         traced = errors([(t, m, v) for _, t, m, v in rows if t])
         replayed = errors([(r, m, v) for r, _, m, v in rows])
         traced_all.append(traced)
@@ -183,6 +202,8 @@ def main() -> None:
               f"{'  /  '.join(percent(e) for e in replayed):>38}")
         if args.by_requests:
             print("    verifying steps by requests, traced / replayed: " + by_requests(steps, rows))
+        if args.by_context:
+            print("    verifying steps by context per row, traced / replayed: " + by_context(model, steps, rows))
     if not traced_all:
         return
     for name, results in (("traced", traced_all), ("replayed", replayed_all)):

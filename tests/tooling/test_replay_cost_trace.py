@@ -95,3 +95,27 @@ def test_a_batched_trace_replays_from_its_own_draft_counts_and_context_terms(tmp
     old = tmp_path / "budget-graft-r1.jsonl.1"
     old.write_text(json.dumps({"reqs": 2, "tokens": 2}) + "\n")
     assert script.traced_steps(str(old)) is None
+
+
+def test_by_context_splits_verifying_steps_by_their_context_per_row(tmp_path):
+    """``--by-context``: verifying steps whose rows reach far beyond the curve's context, measured 20% slower than
+    the model prices them, read low in their range and nowhere else; plain steps are left out."""
+    script = load_script("replay_cost_trace")
+    model = record(1.0).step_model()
+    model.per_context = 1e-6  # seconds per row and position beyond the curve's context
+    model.observe = lambda *args, **kwargs: None  # priced as traced: no online correction in between
+    lines = []
+    for j in range(40):
+        reqs, drafts = 8, (5 if j % 2 else 0)
+        tokens = reqs + drafts
+        per_row = 1000.0 if j >= 20 else 100.0  # positions a row beyond the curve's context, on average
+        excess = per_row * tokens
+        predicted = 1e3 * model.predict(tokens, reqs, excess, plain_tokens=reqs)
+        slow = 1.2 if drafts and j >= 20 else 1.0
+        lines.append({"reqs": reqs, "tokens": tokens, "drafts": drafts, "excess": excess,
+                      "predicted_ms": predicted, "forward_ms": slow * predicted})
+    path = tmp_path / "budget-graft-r1.jsonl.3"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    steps = script.traced_steps(str(path))
+    rows = script.replay(model, steps)
+    assert script.by_context(model, steps, rows) == "0-199: +0.0% / +0.0% (10), 800+: -16.7% / -16.7% (10)"
