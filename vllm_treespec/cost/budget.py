@@ -203,17 +203,17 @@ class StepBudget:
             self.trace.plan(glance_ms=seconds * 1e3, **({"gate": "glance"} if trees else {}))
 
     def admit(self, trees: Sequence[DraftTree | None], num_reqs: int | None = None,
-              base_tokens: int | None = None, drafted: bool = True, row_excess: np.ndarray | None = None,
+              base_tokens: int | None = None, row_excess: np.ndarray | None = None,
               drafting_requests: int | None = None, glance: bool = False) -> list[DraftTree | None]:
-        """The trees trimmed to the nodes that pay (only those with node_probs change). ``drafted``: the drafter was
-        called for them (False: the gate skipped it, and the trees are all None); ``drafting_requests``: how many
+        """The trees the drafter (or a skipped step's glance) proposed, trimmed to the nodes that pay (only those with
+        node_probs change; a step that drafted nothing does not call it). ``drafting_requests``: how many
         requests it was asked for (default: the trees that are not None), the gate's share of each tree's nodes
         (:meth:`DraftGate.record`). ``row_excess``: per tree's request,
         :meth:`StepTime.row_excess` (None: every row at the curve's context). ``glance``: the trees are a skipped
         step's glance: priced and trimmed alike, but the gate learns nothing from them (they are what a cheap look
         found where it looked, not what the drafter's trees are worth, nor what drafting saves)."""
         if not any(t is not None and t.node_probs is not None for t in trees):
-            if drafted and not glance and all(t is None for t in trees):
+            if not glance and all(t is None for t in trees):
                 self.gate.allocated(None)  # a call that proposed nothing saved nothing
             return list(trees)
         if not glance:
