@@ -258,7 +258,7 @@ def report(record, extra, seconds: float) -> None:
             print(f"| {t} | {r} | {measured * 1e3:.2f} | {predicted * 1e3:.2f} | {err:+.1%} |")
         print(f"\nheld-out max |error| {max(abs(e[-1]) for e in errors):.1%}")
     print(f"\ncontext term {model.per_context * 1e6:.3f} ms per row and 1,000 positions beyond "
-          f"{model.reference_context}")
+          f"{model.reference_context}, {model.per_request_context * 1e6:.3f} ms more per request")
     for t, r, c, measured, predicted, err in context_errors(model, record.samples):
         print(f"- {t} tokens x {r} requests at {c} tokens of context: {measured * 1e3:.2f} ms measured, "
               f"{predicted * 1e3:.2f} ms fitted ({err:+.1%})")

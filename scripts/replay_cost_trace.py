@@ -79,9 +79,15 @@ def excess_of(model: StepCostModel, step: Step) -> float:
                                                                       model.reference_context)
 
 
+def request_excess_of(step: Step) -> float | None:
+    """The step's E_R as traced (None for a trace written before lines carried it: the model takes E * R / T)."""
+    return step.line.get("request_excess")
+
+
 def predicted_ms(model: StepCostModel, step: Step) -> float:
     """The model's prediction of a step, as the budget makes it before the step's forward."""
-    return model.predict(step.tokens, step.reqs, excess_of(model, step), plain_tokens=step.tokens - step.drafts) * 1e3
+    return model.predict(step.tokens, step.reqs, excess_of(model, step), plain_tokens=step.tokens - step.drafts,
+                         request_excess=request_excess_of(step)) * 1e3
 
 
 def timed(steps: list[Step]) -> list[Step]:
@@ -100,7 +106,8 @@ def replay(model: StepCostModel, steps: list[Step]) -> list[tuple[float, float |
         if step.drafts > 0 and warmup > 0:
             warmup -= 1
             continue
-        model.observe(step.tokens, step.reqs, measured / 1e3, excess_of(model, step), drafts=step.drafts)
+        model.observe(step.tokens, step.reqs, measured / 1e3, excess_of(model, step), drafts=step.drafts,
+                      request_excess=request_excess_of(step))
     return out
 
 

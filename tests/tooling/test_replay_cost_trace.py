@@ -119,3 +119,32 @@ def test_by_context_splits_verifying_steps_by_their_context_per_row(tmp_path):
     steps = script.traced_steps(str(path))
     rows = script.replay(model, steps)
     assert script.by_context(model, steps, rows) == "0-199: +0.0% / +0.0% (10), 800+: -16.7% / -16.7% (10)"
+
+
+def test_the_replay_prices_each_sequence_once_as_the_engine_did(tmp_path):
+    """Where the model prices a request's sequence apart from its rows, a batched line's ``request_excess`` (each
+    sequence's positions beyond the curve's context, once) is what the engine priced with: the replay reads it and
+    reproduces the traced predictions; without it the replay takes ``E * R / T``, another price when the requests'
+    lengths differ."""
+    script = load_script("replay_cost_trace")
+    model = record(1.0).step_model()
+    model.per_context, model.per_request_context = 1e-6, 5e-6
+    model.observe = lambda *args, **kwargs: None
+    lines = []
+    for j in range(6):
+        rows, lengths = [1, 6, 1, 4], [3000.0, 200.0, 900.0, 100.0]  # a long request drafting nothing
+        excess = context_excess(rows, lengths, model.reference_context)
+        request_excess = context_excess(1, lengths, model.reference_context)
+        tokens, drafts = sum(rows), sum(rows) - len(rows)
+        predicted = 1e3 * model.predict(tokens, 4, excess, plain_tokens=4, request_excess=request_excess)
+        lines.append({"reqs": 4, "tokens": tokens, "drafts": drafts, "excess": excess,
+                      "request_excess": request_excess, "predicted_ms": predicted, "forward_ms": predicted})
+    path = tmp_path / "budget-graft-r1.jsonl.4"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = script.replay(model, script.traced_steps(str(path)))
+    assert all(replayed == pytest.approx(traced, rel=1e-12) for replayed, traced, _, _ in rows)
+    for line in lines:
+        del line["request_excess"]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = script.replay(model, script.traced_steps(str(path)))
+    assert all(replayed < 0.95 * traced for replayed, traced, _, _ in rows)

@@ -191,6 +191,29 @@ def test_with_a_fitted_step_cost_model():
 
 
 
+def test_a_long_requests_draft_rows_pay_the_row_slope_not_its_first_rows():
+    """With the context priced per request (its sequence read once) and per row, a draft node of a long request
+    costs the row slope: where one slope for every row (their sum) admits nothing at 4,096 positions, the split
+    model admits the nodes its rows pay for, and prices the step it admits as the model does."""
+    curve = PiecewiseLinear([1, 2, 4, 8, 16, 32], [0.06, 0.062, 0.065, 0.08, 0.11, 0.17])
+    split = StepCostModel(curve, per_context=2e-6, reference_context=256, per_request_context=18e-6)
+    single = StepCostModel(curve, per_context=2e-5, reference_context=256)
+    probs = [0.5, 0.3, 0.2, 0.15, 0.1, 0.08, 0.05, 0.04]
+    row = 4096.0 - 256
+    assert allocate([star(probs)], single, row_excess=np.array([row])).total_nodes == 0
+    a = allocate([star(probs)], split, row_excess=np.array([row]))
+    k = a.total_nodes
+    rates = [(1 + sum(probs[:w])) / split.predict(1 + w, 1, (1 + w) * row, request_excess=row)
+             for w in range(len(probs) + 1)]
+    assert k == int(np.argmax(rates)) > 0
+    assert a.seconds == pytest.approx(split.predict(1 + k, 1, (1 + k) * row, request_excess=row))
+    # two requests: E_R is both sequences once, whatever rows their trees add
+    two = allocate([star(probs), star(probs)], split, row_excess=np.array([row, 0.0]))
+    n = int(two.total_nodes)
+    assert two.seconds == pytest.approx(split.predict(
+        2 + n, 2, row * (1 + two.num_nodes[0]), plain_tokens=2, request_excess=row))
+
+
 def test_rows_of_long_requests_are_priced_by_their_context():
     """Every row attends to its request's whole sequence: with a context term, the same tree earns fewer nodes on a
     long request than on a short one, and none where a row costs more than its gain can pay."""

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from vllm_treespec.cost.model import (FORMAT_VERSION, CostCache, CostKey, CostRecord, CurveModel, PiecewiseLinear,
-                                      MAX_CACHED_SPREAD, StepCostModel, StepSample, context_excess, isotonic,
-                                      load_or_measure)
+                                      MAX_CACHED_SPREAD, StepCostModel, StepSample, context_excess,
+                                      fit_context_slopes, isotonic, load_or_measure)
 
 GRID = [1, 2, 4, 8, 16, 32, 64]
 
@@ -185,30 +185,31 @@ def test_plain_steps_and_verifying_steps_learn_apart():
     assert fresh.predict(8, 8, plain_tokens=8) == pytest.approx(1.3 * float(fresh.base(8, 8)), rel=0.05)
 
 
-def numpy_prediction(model, tokens, num_reqs=1, excess=0.0, plain_tokens=None):
+def numpy_prediction(model, tokens, num_reqs=1, excess=0.0, plain_tokens=None, request_excess=None):
     """What :meth:`StepCostModel.predict_many` computes, by the model's NumPy parts (its path without Numba)."""
     tokens = np.asarray(tokens, np.float64)
-    return model.base(tokens, num_reqs, excess) * model.factor(tokens, plain_tokens, num_reqs)
+    return model.base(tokens, num_reqs, excess, request_excess) * model.factor(tokens, plain_tokens, num_reqs)
 
 
-@pytest.mark.parametrize("per_context", [0.0, 2e-6])
-def test_the_compiled_prediction_is_the_numpy_one(per_context):
+@pytest.mark.parametrize("per_context, per_request_context", [(0.0, 0.0), (2e-6, 0.0), (2e-6, 9e-6)])
+def test_the_compiled_prediction_is_the_numpy_one(per_context, per_request_context):
     """Below, between and beyond the knots, with and without corrections of either kind, plain and verifying counts,
     context terms that hit the floor: the compiled kernel gives the NumPy path's seconds."""
     from vllm_treespec.cost import model as model_module
 
     assert model_module._predict_kernel() is not None  # Numba is installed here: the kernel is what runs
     model = StepCostModel.fit(samples_of(cpu_like, grid=[2, 4, 8, 16]), reference_context=256)
-    model.per_request, model.per_context = 0.003, per_context
+    model.per_request, model.per_context, model.per_request_context = 0.003, per_context, per_request_context
     rng = np.random.default_rng(0)
     tokens = np.array([0.5, 1, 2, 3, 4, 6, 8, 8.5, 16, 17, 40, 100], np.float64)
     excess = rng.uniform(-60_000, 60_000, tokens.size)
     for observations in range(4):
         for plain_tokens in (None, 1, 4, 8):
             for reqs in (1, 3):
-                got = model.predict_many(tokens, reqs, excess, plain_tokens)
-                np.testing.assert_allclose(got, numpy_prediction(model, tokens, reqs, excess, plain_tokens),
-                                           rtol=1e-12)
+                for request_excess in (None, -5_000.0, 20_000.0):
+                    got = model.predict_many(tokens, reqs, excess, plain_tokens, request_excess)
+                    np.testing.assert_allclose(
+                        got, numpy_prediction(model, tokens, reqs, excess, plain_tokens, request_excess), rtol=1e-12)
         assert model.predict_many(np.array([[4.0, 8.0]]), 1, 0.0, 1).shape == (1, 2)
         assert isinstance(model.predict(4, 1, 0.0, 1), float)
         # plain steps first, then verifying steps: every combination of the two tables
@@ -449,6 +450,39 @@ def test_the_context_term_is_fitted_from_samples_at_a_longer_context_and_priced_
     plain = CostRecord(FORMAT_VERSION, KEY, samples_of(cpu_like, reqs=(1, 2)), context_len=256).step_model()
     assert plain.per_context == 0.0 and plain.predict(16, 2) == pytest.approx(model.predict(16, 2))
     assert CostRecord(FORMAT_VERSION, KEY, samples, context_len=256).single_request_points == len(GRID)
+
+
+def test_a_requests_sequence_is_priced_once_and_its_other_rows_at_the_row_slope():
+    """Reading a request's sequence costs its first row more than its other rows (2-core Zen 1, fp32: ~20 us a
+    position for one row at 2,048 positions, ~4.8 for each of 7 or 15 more): with samples of one request's 1, 8 and 16
+    rows at a longer context, the fit separates the per-request slope from the per-row one, and prices a decode
+    step's context (a row of each request) and a tree's extra rows apart; one slope for all rows priced the first
+    at a third of its time."""
+    per_row, per_request = 4.8e-6, 15e-6
+    long = 2048
+    samples = samples_of(cpu_like, reqs=(1, 2))
+    samples += [StepSample(t, 1, float(cpu_like(t)) + (per_row * t + per_request) * (long - 256), long)
+                for t in (1, 8, 16) for _ in range(3)]
+    model = CostRecord(FORMAT_VERSION, KEY, samples, context_len=256).step_model()
+    assert model.per_context == pytest.approx(per_row, rel=1e-6)
+    assert model.per_request_context == pytest.approx(per_request, rel=1e-6)
+    # a decode step of 4 requests at 1,256 positions: each row carries both slopes
+    assert model.predict(4, 4, excess=4 * 1000) == pytest.approx(
+        float(model.base(4, 4)) + (per_row + per_request) * 4000)
+    # one request verifying 7 drafts: E_R named, or taken as E * R / T (exact when the requests' lengths agree)
+    named = model.predict(8, 1, excess=8 * 1000, request_excess=1000)
+    assert named == pytest.approx(float(model.base(8, 1)) + per_row * 8000 + per_request * 1000)
+    assert model.predict(8, 1, excess=8 * 1000) == pytest.approx(named)
+    # what a draft row adds at that length: the row slope only
+    assert model.predict(9, 1, excess=9 * 1000, request_excess=1000) - named == pytest.approx(
+        float(model.base(9, 1) - model.base(8, 1)) + per_row * 1000)
+    # one slope, as before, where the samples cannot tell them apart (one row per request) ...
+    single = samples_of(cpu_like, reqs=(1, 2)) + [StepSample(1, 1, float(cpu_like(1)) + 20e-6 * (long - 256), long)]
+    one = CostRecord(FORMAT_VERSION, KEY, single, context_len=256).step_model()
+    assert one.per_context == pytest.approx(20e-6, rel=1e-6) and one.per_request_context == 0.0
+    # ... or where rows would cost nothing beyond the first (a negative or zero row slope)
+    assert fit_context_slopes(np.array([1000.0, 8000.0]), np.array([1000.0, 1000.0]), np.array([0.02, 0.019])) == (
+        pytest.approx(172 / 65e6, rel=1e-9), 0.0)
 
 
 def test_a_cache_of_the_format_before_the_context_term_is_measured_again(tmp_path, caplog):

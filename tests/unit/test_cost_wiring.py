@@ -459,6 +459,8 @@ def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():
     verifier.attach(scheduler_output, num_scheduled)
     computed = verifier.runner.input_batch.num_computed_tokens_cpu[:3]
     assert verifier.budget._excess == pytest.approx(float(np.sum(num_scheduled * (computed + num_scheduled))))
+    # and with each request's sequence once (the per-request context term's E_R)
+    assert verifier.budget._request_excess == pytest.approx(float(np.sum(computed + num_scheduled)))
 
 
 def test_a_probe_under_load_drafts_for_as_many_requests_as_it_verifies_nodes():

@@ -604,7 +604,7 @@ class LinearWithContext(Linear):
         super().__init__(base, per_token)
         self.per_position = per_position
 
-    def predict_many(self, num_tokens, num_reqs=1, excess=0.0, plain_tokens=None):
+    def predict_many(self, num_tokens, num_reqs=1, excess=0.0, plain_tokens=None, request_excess=None):
         return super().predict_many(num_tokens, num_reqs) + self.per_position * np.asarray(excess, np.float64)
 
 

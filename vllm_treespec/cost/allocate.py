@@ -33,20 +33,23 @@ ROUNDING_SECONDS = 1e-12
 
 class StepCost(Protocol):
     """Seconds of steps of ``num_tokens`` tokens, of which ``plain_tokens`` are not drafts (the counts above it are
-    steps that verify drafts); ``excess`` (passed only when the caller knows the requests' contexts): the steps'
-    context terms, :func:`~vllm_treespec.cost.model.context_excess`."""
+    steps that verify drafts); ``excess`` and ``request_excess`` (passed only when the caller knows the requests'
+    contexts): the steps' context terms E and E_R, :class:`~vllm_treespec.cost.model.StepCostModel`."""
 
     def predict_many(self, num_tokens: np.ndarray, num_reqs: int = 1, excess: np.ndarray | float = 0.0,
-                     plain_tokens: float | None = None) -> np.ndarray: ...
+                     plain_tokens: float | None = None, request_excess: float | None = None) -> np.ndarray: ...
 
 
 def _predict(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, excess: np.ndarray | None,
-             plain_tokens: float) -> np.ndarray:
+             plain_tokens: float, request_excess: float | None = None) -> np.ndarray:
     """``cost`` at ``num_tokens`` (``plain_tokens`` of them not drafts)."""
     if excess is None:
         seconds = cost.predict_many(num_tokens, num_reqs, plain_tokens=plain_tokens)
-    else:
+    elif request_excess is None:
         seconds = cost.predict_many(num_tokens, num_reqs, excess=excess, plain_tokens=plain_tokens)
+    else:
+        seconds = cost.predict_many(num_tokens, num_reqs, excess=excess, plain_tokens=plain_tokens,
+                                    request_excess=request_excess)
     return np.asarray(seconds, np.float64).copy()
 
 
@@ -120,29 +123,31 @@ class Allocation:
         return int(self.num_nodes.sum())
 
 
-def _row_seconds(cost: StepCost, num_reqs: int, base_tokens: int, base_excess: float, row_excess: np.ndarray
-                 ) -> np.ndarray:
+def _row_seconds(cost: StepCost, num_reqs: int, base_tokens: int, base_excess: float, row_excess: np.ndarray,
+                 request_excess: float | None = None) -> np.ndarray:
     """Per request, the seconds one more row of it adds to the plain step (at least a microsecond)."""
     tokens = np.full(row_excess.size + 1, base_tokens + 1, np.float64)
     tokens[0] = base_tokens
-    seconds = _predict(cost, tokens, num_reqs, base_excess + np.concatenate([[0.0], row_excess]), base_tokens)
+    seconds = _predict(cost, tokens, num_reqs, base_excess + np.concatenate([[0.0], row_excess]), base_tokens,
+                       request_excess)
     return np.maximum(seconds[1:] - seconds[0], 1e-6)
 
 
 def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: int, base_expected: float,
                 overhead: float = 0.0, min_gain: float = 0.0, max_extra_seconds: float | None = None,
-                explore: bool = False, excess: np.ndarray | None = None, plain_tokens: int | None = None
-                ) -> tuple[int, float, float, float]:
+                explore: bool = False, excess: np.ndarray | None = None, plain_tokens: int | None = None,
+                request_excess: float | None = None) -> tuple[int, float, float, float]:
     """The k in 0..len(gains) maximising (base_expected + sum(gains[:k])) / (t(base_tokens + k) + overhead * [k>0]),
     among the k whose step costs at most ``max_extra_seconds`` more than the plain step's (None: any).
     Returns (k, expected tokens, seconds, plain rate); k > 0 only if its rate beats plain's by the factor 1 + min_gain.
     ``explore`` (with ``max_extra_seconds``): the largest such k instead, paying or not. ``excess``: the context term
-    of each prefix's step (len(gains) + 1 values; None: every row at the curve's context). ``plain_tokens``: the
+    of each prefix's step (len(gains) + 1 values; None: every row at the curve's context); ``request_excess``: the
+    steps' E_R (:meth:`StepCostModel.predict_many`). ``plain_tokens``: the
     step's tokens without any draft (default ``base_tokens``; less when the base holds drafts of trees without
     node_probs)."""
     k_all = np.arange(gains.size + 1)
     plain_tokens = base_tokens if plain_tokens is None else plain_tokens
-    seconds = _predict(cost, base_tokens + k_all, num_reqs, excess, plain_tokens)
+    seconds = _predict(cost, base_tokens + k_all, num_reqs, excess, plain_tokens, request_excess)
     seconds[1:] += overhead
     expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
     rates = expected / np.maximum(seconds, 1e-12)
@@ -204,12 +209,14 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     fixed_excess = 0.0 if per_request is None else sum(
         float(per_request[i]) * min(t.num_nodes, int(caps[i])) for i, t in enumerate(trees)
         if t is not None and t.node_probs is None)
-    base_excess = 0.0 if per_request is None else float(per_request.sum()) + fixed_excess  # each request's own row
+    # each request's own row: its sequence, read once whatever its rows (E_R)
+    request_excess = None if per_request is None else float(per_request.sum())
+    base_excess = 0.0 if per_request is None else request_excess + fixed_excess
     # best first by gain per second a node adds (by gain alone when every row costs the same); equal keys: lower
     # request, then parent before child. Within a request every node costs the same, so the order keeps parents
     # before children and any prefix is ancestor-closed.
     value = p_all if per_request is None else p_all / _row_seconds(cost, num_reqs, base_tokens + fixed, base_excess,
-                                                                   per_request)[req]
+                                                                   per_request, request_excess)[req]
     order = np.lexsort((node, req, -value))
     counts = np.zeros(n, np.int64)
     room = np.iinfo(np.int64).max if batch_cap is None else max(int(batch_cap) - fixed, 0)
@@ -227,7 +234,8 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     if per_request is not None:
         excess = base_excess + np.concatenate([[0.0], np.cumsum(per_request[req[candidates]])])
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
-                                              min_gain, max_extra_seconds, explore, excess, base_tokens)
+                                              min_gain, max_extra_seconds, explore, excess, base_tokens,
+                                              request_excess)
     admitted = candidates[:k]
     out: list[DraftTree | None] = []
     num_nodes = np.zeros(n, np.int64)
@@ -453,8 +461,11 @@ class DraftGate:
                       row_excess: float | None) -> np.ndarray:
         """The predicted step of ``num_reqs`` decoding requests with each count of ``k_all`` drafts."""
         base = num_reqs if base_tokens is None else base_tokens
-        excess = None if row_excess is None else (num_reqs + k_all) * row_excess
-        return _predict(self.cost, base + k_all, num_reqs, excess, base)
+        if row_excess is None:
+            return _predict(self.cost, base + k_all, num_reqs, None, base)
+        # every request alike: a row each, then the drafts' rows; each sequence read once
+        return _predict(self.cost, base + k_all, num_reqs, (num_reqs + k_all) * row_excess, base,
+                        num_reqs * row_excess)
 
     def _best_rates(self, tokens: np.ndarray, seconds: np.ndarray, drafter_seconds: float) -> tuple[float, float]:
         """(best rate with drafting, plain rate) of steps of ``seconds`` and expected ``tokens`` (plain first), a
@@ -531,7 +542,8 @@ class DraftGate:
         base = num_reqs if base_tokens is None else base_tokens
         extra = np.arange(limit + 1, dtype=np.float64)
         seconds = _predict(self.cost, base + extra, num_reqs,
-                           None if row_excess is None else (num_reqs + extra) * row_excess, base)
+                           None if row_excess is None else (num_reqs + extra) * row_excess, base,
+                           None if row_excess is None else num_reqs * row_excess)
         verifying = seconds[1:] - seconds[0] + per_request * extra[1:]
         affordable, call = 0, 0.0
         for k in range(1, limit + 1):  # rarely more than a few: verifying alone soon exceeds the allowance

@@ -54,14 +54,15 @@ class StepTime:
         self.host = RunningMedian()
 
     def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
-                     plain_tokens: float | None = None) -> np.ndarray:
-        """``excess``: the step's context term (:func:`~vllm_treespec.cost.model.context_excess`);
-        ``plain_tokens``: its tokens without drafts (:meth:`StepCostModel.predict_many`)."""
-        return self.forward.predict_many(num_tokens, num_reqs, excess, plain_tokens) + self.host.seconds
+                     plain_tokens: float | None = None, request_excess: float | None = None) -> np.ndarray:
+        """``excess``, ``request_excess``: the step's context terms E and E_R; ``plain_tokens``: its tokens
+        without drafts (:meth:`StepCostModel.predict_many`)."""
+        return self.forward.predict_many(num_tokens, num_reqs, excess, plain_tokens, request_excess) + \
+            self.host.seconds
 
     def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0,
-                plain_tokens: float | None = None) -> float:
-        return float(self.predict_many(num_tokens, num_reqs, excess, plain_tokens))
+                plain_tokens: float | None = None, request_excess: float | None = None) -> float:
+        return float(self.predict_many(num_tokens, num_reqs, excess, plain_tokens, request_excess))
 
     def row_excess(self, seq_lens: np.ndarray) -> np.ndarray | None:
         """Per request, the context term of one more row of it (its sequence length beyond the curve's context);
@@ -107,6 +108,7 @@ class StepBudget:
         self._plain_seen: dict[int, tuple[int, int]] = {}  # plain-step bucket -> (steps observed, last step index)
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
+        self._request_excess: float | None = None  # and its E_R (None: not known)
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
                       "probes": 0, "observed_steps": 0, "plain_samples": 0, "glance_steps": 0, "glance_trees": 0,
                       "glance_nodes": 0}
@@ -239,30 +241,36 @@ class StepBudget:
             self.trace.plan(admitted=allocation.total_nodes, expected=allocation.expected_tokens)
         return allocation.trees
 
-    def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0, drafts: int = 0) -> None:
-        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term; ``drafts``:
-        its draft tokens) starts: the previous step's host time is what the time since its start leaves after its
-        forward, its drafter call and its tree work."""
+    def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0, drafts: int = 0,
+                     request_excess: float | None = None) -> None:
+        """A forward of ``num_tokens`` tokens from ``num_reqs`` requests (``excess``, ``request_excess``: its
+        context terms E and E_R; ``drafts``: its draft tokens) starts: the previous step's host time is what the time
+        since its start leaves after its forward, its drafter call and its tree work."""
         now = time.perf_counter()
         if self._previous is not None:
             started, tokens, reqs, forward, drafted = self._previous
             if forward is None:  # not timed (an asynchronous device): the model's prediction
-                forward = self.cost.predict(tokens, reqs, self._excess, plain_tokens=tokens - drafted)
+                forward = self.cost.predict(tokens, reqs, self._excess, plain_tokens=tokens - drafted,
+                                            request_excess=self._request_excess)
             host = now - started - forward - self._cycle_other
             if host <= MAX_HOST_SECONDS:
                 self.step_time.host.add(max(host, 0.0))
         self._cycle_other = 0.0
         self._step = (int(num_tokens), int(num_reqs), now)
         self._excess = float(excess)
+        self._request_excess = None if request_excess is None else float(request_excess)
         self._drafts = int(drafts)
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3, drafts=self._drafts)
             if self.cost.per_context:
                 self.trace.note(excess=self._excess)
+                if self._request_excess is not None:
+                    self.trace.note(request_excess=self._request_excess)
             if num_tokens > 0 and num_reqs > 0:  # before this step's time refines the model
                 self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess,
-                                                               plain_tokens=int(num_tokens) - self._drafts) * 1e3)
+                                                               plain_tokens=int(num_tokens) - self._drafts,
+                                                               request_excess=self._request_excess) * 1e3)
         self._previous = ((now, int(num_tokens), int(num_reqs), None, self._drafts)
                           if num_tokens > 0 and num_reqs > 0 else None)
 
@@ -282,7 +290,8 @@ class StepBudget:
                 # (CallCost) it is not counted.
                 self._verifying_warmup -= 1
             else:
-                self.cost.observe(num_tokens, num_reqs, seconds, self._excess, drafts=self._drafts)
+                self.cost.observe(num_tokens, num_reqs, seconds, self._excess, drafts=self._drafts,
+                                  request_excess=self._request_excess)
             self._previous = (started, num_tokens, num_reqs, seconds, self._drafts)
             self.stats["observed_steps"] += 1
             if not self._drafts:

@@ -44,9 +44,11 @@ def _correction(x, anchors, logs):
 
 @njit(cache=True)
 def predict_kernel(tokens, excess, num_reqs, plain_tokens, split, curve_x, curve_y, tail_slope, per_request,
-                   per_context, plain_anchors, plain_logs, draft_anchors, draft_logs):
-    """Seconds at each of ``tokens`` (``excess``: the context term's E of each). ``split``: counts above
-    ``plain_tokens`` take the verifying steps' correction (``draft_*``), the others the plain steps'."""
+                   per_context, per_request_context, request_excess, request_excess_known, plain_anchors, plain_logs,
+                   draft_anchors, draft_logs):
+    """Seconds at each of ``tokens`` (``excess``: the context term's E of each; ``request_excess``: E_R of every
+    one if ``request_excess_known``, else ``E * R / T`` each). ``split``: counts above ``plain_tokens`` take the
+    verifying steps' correction (``draft_*``), the others the plain steps'."""
     out = np.empty(tokens.shape[0])
     last = curve_x.shape[0] - 1
     request_term = per_request * max(num_reqs - 1, 0)
@@ -58,7 +60,11 @@ def predict_kernel(tokens, excess, num_reqs, plain_tokens, split, curve_x, curve
             seconds = _interp(t, curve_x, curve_y)
         seconds += request_term
         if per_context != 0.0:
-            seconds = max(seconds + per_context * excess[i], 0.5 * seconds)
+            context = per_context * excess[i]
+            if per_request_context != 0.0:
+                by_request = request_excess if request_excess_known else excess[i] * num_reqs / max(t, 1.0)
+                context += per_request_context * by_request
+            seconds = max(seconds + context, 0.5 * seconds)
         if split and t > plain_tokens:
             seconds *= _correction(t, draft_anchors, draft_logs)
         else:

@@ -335,6 +335,7 @@ def _errors(model: StepCostModel, samples: Iterable[StepSample], at_reference: b
     rows = []
     for (t, r, c), times in sorted(groups.items()):
         measured = float(np.median(times))
-        predicted = model.predict(t, r, context_excess(t, c, model.reference_context))
+        predicted = model.predict(t, r, context_excess(t, c, model.reference_context),
+                                  request_excess=context_excess(r, c, model.reference_context))
         rows.append((t, r, c, measured, predicted, (predicted - measured) / measured if measured > 0 else math.nan))
     return rows

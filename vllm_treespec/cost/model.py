@@ -1,6 +1,6 @@
 """The step-cost model: seconds per forward step as a function of the tokens in the step and the requests sharing it.
 
-    t(T, R, E) = f(T) + c * (R - 1) + a * E,  then times an online correction g(T)
+    t(T, R, E, E_R) = f(T) + c * (R - 1) + a * E + b * E_R,  then times an online correction g(T)
 
 * ``f`` is piecewise linear through the median time at each measured token count (the knots), flat below the
   first knot and extended beyond the last with the slope of its upper knots. It is not forced to be monotone: on CPUs
@@ -14,6 +14,13 @@
   1,900 tokens of context, ~3.7x at 256). ``E`` is the step's rows times their sequence lengths beyond the sweep's context
   (:func:`context_excess`; 0 at the sweep's own context), and ``a >= 0`` a least-squares fit of the residuals of
   samples timed at a longer context;
+* ``b * E_R`` prices reading each request's sequence once, whatever its rows: ``E_R`` is the step's requests' sequence
+  lengths beyond the sweep's context, summed (one row each in :func:`context_excess`). A request's first row pays
+  ``a + b`` a position, its tree rows ``a`` (2-core Zen 1 EPYC, fp32: one request at 2,048 positions read 37 ms
+  beyond the curve, 8 and 16 of its rows 98 and 164 ms: ~20 us a position for the first row, ~4.8 for each other;
+  one slope for all rows, 6 us, priced a decode step's context at a third of what it took). ``a`` and ``b`` are fit
+  together where the long-context samples have more than one row per request; else ``b`` is 0. A caller that does not
+  know ``E_R`` gets ``E * R / T``, exact when every request has the same sequence length;
 * ``g`` is learnt from the engine's own step times (:meth:`StepCostModel.observe`): an exponentially weighted mean of
   log(observed / predicted) per power-of-two token bucket, interpolated in log2(T) between the buckets seen so far,
   so that drift, other load and costs the sweep cannot see (the tree-attention path) are followed. Plain steps and
@@ -83,6 +90,20 @@ def context_excess(rows: np.ndarray | float, seq_lens: np.ndarray | float, refer
     """The context term's ``E`` of a step: each request's rows times how far its sequence length at the end of the
     step is beyond ``reference`` (the sweep's context), summed (negative below it: shorter rows cost less)."""
     return float(np.sum(np.asarray(rows, np.float64) * (np.asarray(seq_lens, np.float64) - reference)))
+
+
+def fit_context_slopes(excess: np.ndarray, request_excess: np.ndarray, residual: np.ndarray) -> tuple[float, float]:
+    """(a, b) of the context terms (module docstring) by least squares on the residuals of samples timed at other
+    contexts, both at least 0; b is 0 (one slope for every row) where the samples cannot tell the terms apart (one
+    row per request in all of them) or the joint fit gives either a negative slope."""
+    single = max(float(np.dot(excess, residual) / np.dot(excess, excess)), 0.0) if np.dot(excess, excess) > 0 else 0.0
+    design = np.stack([excess, request_excess], axis=1)
+    if np.linalg.matrix_rank(design) < 2:
+        return single, 0.0
+    (a, b), *_ = np.linalg.lstsq(design, residual, rcond=None)
+    if a <= 0 or b < 0:
+        return single, 0.0
+    return float(a), float(b)
 
 
 def isotonic(y: Sequence[float], weights: Sequence[float] | None = None) -> np.ndarray:
@@ -262,10 +283,13 @@ class StepCostModel:
     """Predicted seconds of a forward step; see the module docstring for the form."""
 
     def __init__(self, curve: PiecewiseLinear, per_request: float = 0.0, alpha: float = DEFAULT_ALPHA,
-                 per_context: float = 0.0, reference_context: int = DEFAULT_CONTEXT_LEN) -> None:
+                 per_context: float = 0.0, reference_context: int = DEFAULT_CONTEXT_LEN,
+                 per_request_context: float = 0.0) -> None:
         self.curve = curve
         self.per_request = max(float(per_request), 0.0)
         self.per_context = max(float(per_context), 0.0)  # a: seconds per row and position of context beyond
+        #: b: seconds per request and position of context beyond the reference, on top of its rows' ``a``
+        self.per_request_context = max(float(per_request_context), 0.0) if self.per_context else 0.0
         self.reference_context = int(reference_context)
         self.correction = OnlineCorrection(alpha)  # plain steps'
         self.draft_correction = OnlineCorrection(alpha)  # steps that verify drafts, at every request count
@@ -296,18 +320,31 @@ class StepCostModel:
                   for (t, r), (m, _) in _medians(s for s in samples if s.context_len == c).items()]
         if longer:
             excess = np.array([context_excess(t, c, reference_context) for t, _, c, _ in longer], np.float64)
+            request_excess = np.array([context_excess(r, c, reference_context) for _, r, c, _ in longer], np.float64)
             residual = np.array([m - float(model.base(t, r)) for t, r, _, m in longer])
-            model.per_context = float(max(np.dot(excess, residual) / np.dot(excess, excess), 0.0))
+            model.per_context, model.per_request_context = fit_context_slopes(excess, request_excess, residual)
         return model
 
     # --- prediction ----------------------------------------------------------------------------------------------
-    def base(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0
-             ) -> np.ndarray:
-        """The fitted curve without the online correction (``excess``: the context term's E, see the module)."""
+    def base(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
+             request_excess: float | np.ndarray | None = None) -> np.ndarray:
+        """The fitted curve without the online correction (``excess``, ``request_excess``: the context terms' E and
+        E_R, see the module; E_R None: ``E * R / T``)."""
         seconds = self.curve(num_tokens) + self.per_request * max(int(num_reqs) - 1, 0)
         if self.per_context:
-            seconds = np.maximum(seconds + self.per_context * np.asarray(excess, np.float64), 0.5 * seconds)
+            seconds = np.maximum(seconds + self.context_seconds(num_tokens, num_reqs, excess, request_excess),
+                                 0.5 * seconds)
         return seconds
+
+    def context_seconds(self, num_tokens: float | np.ndarray, num_reqs: int, excess: float | np.ndarray,
+                        request_excess: float | np.ndarray | None = None) -> np.ndarray:
+        """The context terms ``a * E + b * E_R`` (E_R None: ``E * R / T``)."""
+        excess = np.asarray(excess, np.float64)
+        if not self.per_request_context:
+            return self.per_context * excess
+        if request_excess is None:
+            request_excess = excess * int(num_reqs) / np.maximum(np.asarray(num_tokens, np.float64), 1.0)
+        return self.per_context * excess + self.per_request_context * np.asarray(request_excess, np.float64)
 
     def factor(self, num_tokens: float | np.ndarray, plain_tokens: float | None = None,
                num_reqs: int = 1) -> np.ndarray:
@@ -343,13 +380,14 @@ class StepCostModel:
         return knots
 
     def predict_many(self, num_tokens: float | np.ndarray, num_reqs: int = 1, excess: float | np.ndarray = 0.0,
-                     plain_tokens: float | None = None) -> np.ndarray:
+                     plain_tokens: float | None = None, request_excess: float | None = None) -> np.ndarray:
         """``plain_tokens``: the step's tokens without drafts; counts above it are priced as steps that verify
-        drafts (None: every count as a plain step)."""
+        drafts (None: every count as a plain step). ``request_excess``: the context term's E_R, the same at every
+        count (drafts add rows, not requests; None: ``E * R / T`` at each)."""
         tokens = np.asarray(num_tokens, np.float64)
         kernel = _predict_kernel()
         if kernel is None:
-            return self.base(tokens, num_reqs, excess) * self.factor(tokens, plain_tokens, num_reqs)
+            return self.base(tokens, num_reqs, excess, request_excess) * self.factor(tokens, plain_tokens, num_reqs)
         flat = tokens if tokens.ndim == 1 and tokens.flags.c_contiguous else np.ascontiguousarray(tokens.reshape(-1))
         if not self.per_context:
             excess = flat  # not read
@@ -363,14 +401,16 @@ class StepCostModel:
         draft_anchors, draft_logs = self.draft_knots(num_reqs)
         seconds = kernel(flat, excess, int(num_reqs), 0.0 if plain_tokens is None else float(plain_tokens),
                          plain_tokens is not None, self.curve.x, self.curve.y, float(self.curve.tail_slope),
-                         self.per_request, self.per_context, plain_anchors, plain_logs, draft_anchors, draft_logs)
+                         self.per_request, self.per_context, self.per_request_context,
+                         0.0 if request_excess is None else float(request_excess), request_excess is not None,
+                         plain_anchors, plain_logs, draft_anchors, draft_logs)
         return seconds if seconds.shape == tokens.shape else seconds.reshape(tokens.shape)
 
     def predict(self, num_tokens: float, num_reqs: int = 1, excess: float = 0.0,
-                plain_tokens: float | None = None) -> float:
-        """Seconds of a step with ``num_tokens`` tokens from ``num_reqs`` requests (``excess``: its context term's
-        E, :func:`context_excess`; ``plain_tokens``: as :meth:`predict_many`)."""
-        return float(self.predict_many(num_tokens, num_reqs, excess, plain_tokens))
+                plain_tokens: float | None = None, request_excess: float | None = None) -> float:
+        """Seconds of a step with ``num_tokens`` tokens from ``num_reqs`` requests (``excess``, ``request_excess``:
+        its context terms' E and E_R, :func:`context_excess`; ``plain_tokens``: as :meth:`predict_many`)."""
+        return float(self.predict_many(num_tokens, num_reqs, excess, plain_tokens, request_excess))
 
     def marginal(self, num_tokens: float, num_reqs: int = 1, extra: int = 1) -> float:
         """Seconds added by ``extra`` more tokens (drafts) in a step that has ``num_tokens`` (per added token if
@@ -379,12 +419,13 @@ class StepCostModel:
                 - self.predict(num_tokens, num_reqs, plain_tokens=num_tokens)) / extra
 
     # --- online refinement -----------------------------------------------------------------------------------------
-    def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0, drafts: int = 0) -> None:
+    def observe(self, num_tokens: int, num_reqs: int, seconds: float, excess: float = 0.0, drafts: int = 0,
+                request_excess: float | None = None) -> None:
         """Fold one observed step time into the correction of its token bucket: the plain steps' table, or with
         ``drafts`` > 0 (draft tokens verified in the step) that of steps verifying drafts."""
         base = self.curve.at(float(num_tokens)) + self.per_request * max(int(num_reqs) - 1, 0)
         if self.per_context:  # as base()
-            base = max(base + self.per_context * float(excess), 0.5 * base)
+            base = max(base + float(self.context_seconds(num_tokens, num_reqs, excess, request_excess)), 0.5 * base)
         if base <= 0:
             return
         if drafts <= 0:

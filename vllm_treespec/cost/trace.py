@@ -21,6 +21,7 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     excess     the step's context term E (rows times their sequence lengths beyond the sweep's context), when the
                model prices context: with ``tokens``, ``reqs`` and ``drafts`` what a replay of the model needs
                (``scripts/replay_cost_trace.py``)
+    request_excess  its E_R (its requests' sequence lengths beyond the sweep's context, each once), likewise
     drafts     draft tokens the forward verified (vLLM's scheduled drafts: a tree's admitted nodes, or a chain's)
     factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
 

@@ -72,7 +72,8 @@ def format_context(model: Any, samples: Sequence[Any]) -> str:
     from vllm_treespec.cost.measure import context_errors
 
     lines = [f"context term: {model.per_context * 1e6:.3f} ms per row and 1000 positions of context beyond "
-             f"{model.reference_context}"]
+             f"{model.reference_context}, and {model.per_request_context * 1e6:.3f} ms more per request (its "
+             f"sequence read once, whatever its rows)"]
     for t, r, c, measured, predicted, err in context_errors(model, samples):
         lines.append(f"  {t} tokens x {r} requests at context {c}: {measured * 1e3:.2f} ms measured, "
                      f"{predicted * 1e3:.2f} ms fitted ({err * 100:+.1f}%)")

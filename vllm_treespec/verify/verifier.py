@@ -262,12 +262,14 @@ class TreeVerifier:
         started = time.perf_counter()
         if self.budget is not None:
             num_reqs = len(num_scheduled_tokens)
-            excess = 0.0
+            excess, request_excess = 0.0, None
             if self.budget.cost.per_context:  # each row attends to its request's sequence up to the step's end
                 seq_lens = self.runner.input_batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens
-                excess = context_excess(num_scheduled_tokens, seq_lens, self.budget.cost.reference_context)
+                reference = self.budget.cost.reference_context
+                excess = context_excess(num_scheduled_tokens, seq_lens, reference)
+                request_excess = context_excess(1, seq_lens, reference)  # each sequence read once
             drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess, drafts)
+            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess, drafts, request_excess)
         if self._tracks_acceptance():
             self.acceptance.scheduled(scheduler_output.scheduled_spec_decode_tokens)
         pending, self.pending = self.pending, {}
