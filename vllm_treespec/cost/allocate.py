@@ -45,8 +45,6 @@ def _predict(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, excess: np.n
     """``cost`` at ``num_tokens`` (``plain_tokens`` of them not drafts)."""
     if excess is None:
         seconds = cost.predict_many(num_tokens, num_reqs, plain_tokens=plain_tokens)
-    elif request_excess is None:
-        seconds = cost.predict_many(num_tokens, num_reqs, excess=excess, plain_tokens=plain_tokens)
     else:
         seconds = cost.predict_many(num_tokens, num_reqs, excess=excess, plain_tokens=plain_tokens,
                                     request_excess=request_excess)
@@ -539,11 +537,8 @@ class DraftGate:
         """How many nodes (at most ``limit``) the allowance pays for verifying in a step of ``num_reqs`` decoding
         requests, each node a request of its own that costs ``per_request`` seconds more to draft for, with the
         drafter's predicted call for that many requests; and that call's predicted seconds (0: not timed yet)."""
-        base = num_reqs if base_tokens is None else base_tokens
         extra = np.arange(limit + 1, dtype=np.float64)
-        seconds = _predict(self.cost, base + extra, num_reqs,
-                           None if row_excess is None else (num_reqs + extra) * row_excess, base,
-                           None if row_excess is None else num_reqs * row_excess)
+        seconds = self._step_seconds(num_reqs, extra, base_tokens, row_excess)
         verifying = seconds[1:] - seconds[0] + per_request * extra[1:]
         affordable, call = 0, 0.0
         for k in range(1, limit + 1):  # rarely more than a few: verifying alone soon exceeds the allowance
