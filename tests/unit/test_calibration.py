@@ -10,6 +10,8 @@ from fake_runner import FakeProposer, FakeRequest, fake_runner, recording_layer,
 
 from vllm_treespec.api import DraftTree, DraftTreeError
 from vllm_treespec.attn import plan
+from vllm_treespec.cost.allocate import allocate
+from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
 from vllm_treespec.verify.calibration import (ACCEPTANCE_PRIOR_TRIALS, AcceptanceCalibration, AcceptanceTracker,
                                               accepted_walk)
 from vllm_treespec.verify.verifier import TreeVerifier
@@ -170,7 +172,8 @@ def test_tracker_learns_from_what_was_scheduled_and_committed():
     tracker.committed(["a", "b"], [[10, 7], [5]])  # 10 accepted, then the target's own 7
     # reached: 10 (accepted, suffix, raw 0.95) and its child 12 (rejected, suffix, raw 0.55); 11 was not scheduled
     assert cal.trials.sum() == 2 and cal.accepts[0, 9] == 1 and cal.trials[0, 5] == 1
-    assert tracker.stats == {"learned_trees": 1, "learned_nodes": 2}
+    # 10's other child, 13, was not verified, but 12 was (and rejected): the 7 says nothing of 13 under sampling
+    assert tracker.stats == {"learned_trees": 1, "learned_nodes": 2, "unverified_nodes": 0}
     # the next calibration of those bins (10 at depth 1, 12 at depth 2) follows
     root_prior, child_prior = (1 + 8 * 0.95) / 9, 8 * 0.55 / 9
     assert cal(0, np.array([0.95, 0.55]), np.array([1, 2])).tolist() == pytest.approx(
@@ -191,6 +194,73 @@ def test_chains_teach_too_and_replaced_drafts_do_not():
     tracker.scheduled({})  # not scheduled with drafts
     tracker.committed(["a"], [[4, 5, 6, 1]])
     assert tracker.calibration.trials.sum() == 3
+
+
+def test_the_token_after_the_last_accepted_node_teaches_its_unverified_children():
+    tracker = AcceptanceTracker(["suffix", "successor"])
+    depth_trials, depth_accepts = tracker.calibration.depth_trials, tracker.calibration.depth_accepts
+    # the budget kept root child 10 only; 10 was accepted and the target's next token is 12: of 10's children left
+    # out, 12 (suffix, raw 0.55) would have been accepted and 13 (successor, raw 0.15) not, both at depth 2. Root
+    # child 11 is no child of the last accepted node: the token says nothing of it
+    tracker.handed(["a"], [TREE], [TREE.truncate(1)])
+    tracker.scheduled({"a": [10]})
+    assert tracker.committed(["a"], [[10, 12]]) == 1
+    assert depth_trials.sum() == 3 and tracker.stats == {"learned_trees": 1, "learned_nodes": 1,
+                                                         "unverified_nodes": 2}
+    assert (depth_trials[0, 0, 9], depth_accepts[0, 0, 9]) == (1, 1)  # 10, verified
+    assert (depth_trials[0, 1, 5], depth_accepts[0, 1, 5]) == (1, 1)  # 12, not verified
+    assert (depth_trials[1, 1, 1], depth_accepts[1, 1, 1]) == (1, 0)  # 13, not verified
+    # the drafter proposed, the budget admitted nothing: the step's token (11) decides the root children
+    tracker.handed(["a"], [TREE], [TREE.truncate(0)])
+    tracker.scheduled({})
+    assert tracker.committed(["a"], [[11]]) is None  # no draft was verified
+    assert (depth_trials[0, 0, 9], depth_accepts[0, 0, 9]) == (2, 1)  # 10
+    assert (depth_trials[1, 0, 3], depth_accepts[1, 0, 3]) == (1, 1)  # 11
+    assert tracker.stats["unverified_nodes"] == 4 and depth_trials.sum() == 5
+    # a verified child was rejected (12): under sampling the token is then drawn from what the target left, so its
+    # unverified sibling 13 is not counted
+    tracker.handed(["a"], [TREE], [DraftTree(np.array([10, 12]), np.array([-1, 0], np.int32))])
+    tracker.scheduled({"a": [10, 12]})
+    assert tracker.committed(["a"], [[10, 13]]) == 1
+    assert depth_trials.sum() == 7 and tracker.stats["unverified_nodes"] == 4
+    # not what was handed, or more tokens than the verified drafts can give: nothing
+    tracker.handed(["a"], [TREE], [TREE.truncate(1)])
+    tracker.scheduled({"a": [11]})
+    tracker.committed(["a"], [[11, 12]])
+    tracker.handed(["a"], [TREE], [TREE.truncate(0)])
+    tracker.scheduled({})
+    tracker.committed(["a"], [[10, 12]])
+    assert depth_trials.sum() == 7 and tracker.stats["unverified_nodes"] == 4
+
+
+def test_a_class_priced_out_by_its_first_outcomes_is_re_priced_by_the_tokens_after_it():
+    """A depth class whose first verified nodes were rejected is priced below what a row costs; learning only from
+    verified nodes it was never verified again (a batch-1 engine verified one root child a step for hundreds of steps
+    of copied code whose deeper nodes were accepted). The committed token after each accepted root child re-prices it
+    and the budget admits the chain again."""
+    from vllm_treespec.cost.budget import StepTime
+
+    tokens = np.arange(1, 40)
+    cost = StepTime(StepCostModel(PiecewiseLinear(tokens, 0.05 + 0.01 * (tokens - 1))))  # a row: 1/5 of a step
+    tracker = AcceptanceTracker(["suffix"])
+    cal = tracker.calibration
+    cal.observe(np.zeros(20, np.int64), np.full(20, 0.95), np.arange(20) < 18, np.ones(20, np.int64))
+    cal.observe(np.zeros(4, np.int64), np.full(4, 0.95), np.zeros(4, bool), np.full(4, 2))  # deeper: 0 of 4
+    chain = DraftTree(np.array([10, 12, 14, 16]), np.arange(-1, 3).astype(np.int32), np.full(4, 0.95, np.float32),
+                      np.zeros(4, np.int32))
+    target = [10, 12, 14, 16, 18]  # what the target writes: the whole chain is right
+
+    def admitted() -> DraftTree:
+        return allocate(tracker.calibrate([chain], corrected=False), cost).trees[0]
+
+    assert admitted().num_nodes == 1
+    for _ in range(12):
+        kept = admitted()
+        tracker.handed(["a"], [chain], [kept])
+        tracker.scheduled({"a": kept.token_ids.tolist()})
+        assert tracker.committed(["a"], [target[: kept.num_nodes + 1]]) == kept.num_nodes
+    assert admitted().num_nodes == 4
+    assert tracker.stats["unverified_nodes"] >= 4
 
 
 def test_the_verifier_calibrates_for_the_budget_and_hands_proposers_the_calibration():

@@ -17,7 +17,14 @@ source, "proposer", when it names none); :class:`AcceptanceTracker` then
 3. when the next step's committed tokens arrive, walks each remembered tree along them (accepted drafts are the
    committed tokens but the last) and counts every node the target reached — root children and children of
    accepted nodes — as accepted or not. Trees and chains alike, whoever verified them (our tree acceptance or
-   vLLM's rejection sampler).
+   vLLM's rejection sampler);
+4. counts, too, the proposed nodes the budget left out that the last committed token decides: the children of the
+   last accepted node (of the root, when none was) where none of them was verified. That token is then the
+   target's own, drawn from its distribution (greedy: its argmax), so it equals such a node's token exactly as
+   often as the node, verified alone, would have been accepted. Without them a class priced out by its first few
+   outcomes was never verified again, and never re-priced: on a batch-1 run one engine verified a single root child
+   for hundreds of steps of copied code whose deeper nodes another engine, on the same prompts, verified 6 at a
+   time and had accepted.
 """
 
 from __future__ import annotations
@@ -319,6 +326,17 @@ class _Handed:
     raw: np.ndarray
 
 
+@dataclass
+class _Offered:
+    """What one request's drafter proposed: the whole tree, each node's source and raw number, and the nodes handed
+    over for verification (indices into it, cut to what was scheduled once it was)."""
+
+    tree: DraftTree
+    sources: np.ndarray
+    raw: np.ndarray
+    verified: np.ndarray
+
+
 class AcceptanceTracker:
     """The verifier's side of the calibration: calibrate proposed trees, remember what was scheduled, learn from the
     committed tokens (see the module docstring)."""
@@ -327,9 +345,11 @@ class AcceptanceTracker:
         self.calibration = AcceptanceCalibration(list(sources) or [DEFAULT_SOURCE])
         self._proposed: dict[str, _Handed] = {}
         self._scheduled: dict[str, _Handed] = {}
+        self._offered: dict[str, _Offered] = {}  # handed, until scheduled
+        self._unverified: dict[str, _Offered] = {}  # scheduled, until committed
         self.expectation = ExpectationCorrection()
         self.by_request = RequestCorrection()
-        self.stats = {"learned_trees": 0, "learned_nodes": 0}
+        self.stats = {"learned_trees": 0, "learned_nodes": 0, "unverified_nodes": 0}
         # the kernels compile (or load from numba's cache) here, at start-up, not inside the first request
         self.calibration.capped(0, np.zeros(1), np.ones(1, np.int64))
         path_products(np.array([-1]), np.ones(1))
@@ -367,18 +387,33 @@ class AcceptanceTracker:
                final_trees: Sequence[DraftTree | None]) -> None:
         """This step's drafts: ``final_trees`` (what vLLM is handed, before its cut to ``num_speculative_tokens``),
         cut from ``raw_trees`` (as proposed, with raw ``node_probs``)."""
-        self._proposed = {}
+        self._proposed, self._offered = {}, {}
         for req_id, raw, final in zip(req_ids, raw_trees, final_trees):
-            if raw is None or final is None or raw.node_probs is None or final.num_nodes == 0:
+            if raw is None or raw.node_probs is None or raw.num_nodes == 0:
                 continue
-            index = _node_index(raw, final)
-            if index is not None:
-                self._proposed[req_id] = _Handed(final, self._sources_of(raw)[index],
-                                                 raw.node_probs.astype(np.float64)[index])
+            sources, probs = self._sources_of(raw), raw.node_probs.astype(np.float64)
+            if final is None or final.num_nodes == 0:
+                index = np.zeros(0, np.int64)
+            else:
+                index = _node_index(raw, final)
+                if index is None:
+                    continue
+                self._proposed[req_id] = _Handed(final, sources[index], probs[index])
+            self._offered[req_id] = _Offered(raw, sources, probs, index)
 
     def scheduled(self, scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
         """The drafts vLLM scheduled this step: each remembered tree cut to them (dropped if they differ: a chain
         fallback, placeholders)."""
+        offered, self._offered = self._offered, {}
+        self._unverified = {}
+        for req_id, proposal in offered.items():
+            tokens = scheduled_spec_decode_tokens.get(req_id)
+            n = len(tokens) if tokens is not None else 0
+            verified = proposal.verified[:n]
+            if n > proposal.verified.size or \
+                    not np.array_equal(proposal.tree.token_ids[verified], np.asarray(tokens if n else (), np.int64)):
+                continue
+            self._unverified[req_id] = _Offered(proposal.tree, proposal.sources, proposal.raw, verified)
         proposed, self._proposed = self._proposed, {}
         self._scheduled = {}
         for req_id, handed in proposed.items():
@@ -393,6 +428,7 @@ class AcceptanceTracker:
         """The tokens the step committed per request (accepted drafts, then one token of the target's): learn from
         every scheduled tree (verified as a tree or, when it was a chain, by vLLM). Returns the drafts accepted,
         None when no draft was verified."""
+        self._learn_unverified(req_ids, sampled_token_ids)
         scheduled, self._scheduled = self._scheduled, {}
         if not scheduled:
             return None
@@ -427,11 +463,43 @@ class AcceptanceTracker:
             return int(hits)
         return None
 
+    def _learn_unverified(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        """Step 4 of the module docstring: the unverified children of each request's last accepted node, where none
+        of them was verified, are accepted when their token is the committed step's last. They teach the rates only:
+        the expectation corrections weigh what the budget verified."""
+        offered, self._unverified = self._unverified, {}
+        if not offered:
+            return
+        sources, raws, accepted, depths = [], [], [], []
+        for req_id, tokens in zip(req_ids, sampled_token_ids):
+            proposal = offered.get(req_id)
+            if proposal is None or not 0 < len(tokens) <= proposal.verified.size + 1:
+                continue
+            tokens = list(tokens)
+            hit = accepted_walk(proposal.tree, tokens[:-1])
+            if hit is None:
+                continue
+            accepted_nodes = np.flatnonzero(hit)
+            last = int(accepted_nodes[-1]) if accepted_nodes.size else -1
+            children = np.flatnonzero(proposal.tree.parents == last)
+            # a verified child was rejected: the last token is then drawn from what the target has left (sampling)
+            if children.size == 0 or np.isin(children, proposal.verified).any():
+                continue
+            children = children[proposal.sources[children] >= 0]
+            sources.append(proposal.sources[children])
+            raws.append(proposal.raw[children])
+            accepted.append(proposal.tree.token_ids[children] == tokens[-1])
+            depths.append(np.full(children.size, 1 + accepted_nodes.size, np.int64))
+            self.stats["unverified_nodes"] += int(children.size)
+        if sources:
+            self.calibration.observe(np.concatenate(sources), np.concatenate(raws), np.concatenate(accepted),
+                                     np.concatenate(depths))
+
     def forget(self, req_ids: set[str]) -> None:
         self.by_request.forget(req_ids)
         for req_id in req_ids:
-            self._proposed.pop(req_id, None)
-            self._scheduled.pop(req_id, None)
+            for pending in (self._proposed, self._scheduled, self._offered, self._unverified):
+                pending.pop(req_id, None)
 
 
 def _node_index(original: DraftTree, cut: DraftTree) -> np.ndarray | None:
