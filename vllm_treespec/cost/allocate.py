@@ -182,7 +182,8 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
         allowance, :class:`DraftGate`).
     explore: with ``max_extra_seconds``, admit as many nodes (best first) as that allows, whether they pay at their
         prices or not: a probe that verifies only the nodes that pay learns nothing once low prices stopped the
-        drafting, and the calibration only learns from verified nodes.
+        drafting, and the calibration learns only from the nodes of proposed trees (verified, or decided by the
+        committed token after the last accepted node).
     row_excess: per request, what one more row of it adds to the step's context term (its sequence length beyond
         the cost curve's context; ``StepTime.row_excess``): a node of a long request costs more than one of a short
         one. The plain step's rows are priced with it too. None: every row at the curve's context.
