@@ -273,10 +273,10 @@ def test_a_step_without_trees_leaves_nothing_of_the_last_ones_handed_over():
     step before handed over stays pending or remembered, to be matched to a later step's drafts."""
     verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})  # flat: every node pays
     assert verifier.propose([[9], [3], [6]])[0]
-    assert "a" in verifier.pending and "a" in verifier.acceptance._proposed
+    assert "a" in verifier.pending and "a" in verifier.acceptance._offered
     verifier.never_draft = True  # the path of a step whose gate skips the drafter
     assert verifier.propose([[9], [3], [6]]) == [[], [], []]
-    assert verifier.pending == {} and verifier.acceptance._proposed == {}
+    assert verifier.pending == {} and verifier.acceptance._offered == {}
 
 
 def test_install_at_startup(monkeypatch, caplog):

@@ -29,7 +29,7 @@ source, "proposer", when it names none); :class:`AcceptanceTracker` then
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -328,13 +328,15 @@ class _Handed:
 
 @dataclass
 class _Offered:
-    """What one request's drafter proposed: the whole tree, each node's source and raw number, and the nodes handed
-    over for verification (indices into it, cut to what was scheduled once it was)."""
+    """What one request's drafter proposed: the whole tree, each node's source and raw number, the tree handed over
+    for verification (None: no node) and its nodes' indices in the whole tree (cut to what was scheduled once it
+    was)."""
 
     tree: DraftTree
     sources: np.ndarray
     raw: np.ndarray
     verified: np.ndarray
+    handed: DraftTree | None
 
 
 class AcceptanceTracker:
@@ -343,10 +345,9 @@ class AcceptanceTracker:
 
     def __init__(self, sources: Sequence[str]) -> None:
         self.calibration = AcceptanceCalibration(list(sources) or [DEFAULT_SOURCE])
-        self._proposed: dict[str, _Handed] = {}
-        self._scheduled: dict[str, _Handed] = {}
         self._offered: dict[str, _Offered] = {}  # handed, until scheduled
-        self._unverified: dict[str, _Offered] = {}  # scheduled, until committed
+        self._scheduled: dict[str, _Handed] = {}  # scheduled drafts, until committed
+        self._unverified: dict[str, _Offered] = {}  # the same proposals whole, until committed
         self.expectation = ExpectationCorrection()
         self.by_request = RequestCorrection()
         self.stats = {"learned_trees": 0, "learned_nodes": 0, "unverified_nodes": 0}
@@ -387,25 +388,24 @@ class AcceptanceTracker:
                final_trees: Sequence[DraftTree | None]) -> None:
         """This step's drafts: ``final_trees`` (what vLLM is handed, before its cut to ``num_speculative_tokens``),
         cut from ``raw_trees`` (as proposed, with raw ``node_probs``)."""
-        self._proposed, self._offered = {}, {}
+        self._offered = {}
         for req_id, raw, final in zip(req_ids, raw_trees, final_trees):
             if raw is None or raw.node_probs is None or raw.num_nodes == 0:
                 continue
-            sources, probs = self._sources_of(raw), raw.node_probs.astype(np.float64)
             if final is None or final.num_nodes == 0:
-                index = np.zeros(0, np.int64)
+                final, index = None, np.zeros(0, np.int64)
             else:
                 index = _node_index(raw, final)
                 if index is None:
                     continue
-                self._proposed[req_id] = _Handed(final, sources[index], probs[index])
-            self._offered[req_id] = _Offered(raw, sources, probs, index)
+            self._offered[req_id] = _Offered(raw, self._sources_of(raw), raw.node_probs.astype(np.float64), index,
+                                             final)
 
     def scheduled(self, scheduled_spec_decode_tokens: dict[str, list[int]]) -> None:
         """The drafts vLLM scheduled this step: each remembered tree cut to them (dropped if they differ: a chain
         fallback, placeholders)."""
         offered, self._offered = self._offered, {}
-        self._unverified = {}
+        self._scheduled, self._unverified = {}, {}
         for req_id, proposal in offered.items():
             tokens = scheduled_spec_decode_tokens.get(req_id)
             n = len(tokens) if tokens is not None else 0
@@ -413,16 +413,10 @@ class AcceptanceTracker:
             if n > proposal.verified.size or \
                     not np.array_equal(proposal.tree.token_ids[verified], np.asarray(tokens if n else (), np.int64)):
                 continue
-            self._unverified[req_id] = _Offered(proposal.tree, proposal.sources, proposal.raw, verified)
-        proposed, self._proposed = self._proposed, {}
-        self._scheduled = {}
-        for req_id, handed in proposed.items():
-            tokens = scheduled_spec_decode_tokens.get(req_id)
-            n = len(tokens) if tokens is not None else 0
-            if n == 0 or n > handed.tree.num_nodes or \
-                    not np.array_equal(handed.tree.token_ids[:n], np.asarray(tokens, np.int64)):
-                continue
-            self._scheduled[req_id] = _Handed(handed.tree.truncate(n), handed.sources[:n], handed.raw[:n])
+            self._unverified[req_id] = replace(proposal, verified=verified)
+            if n:
+                self._scheduled[req_id] = _Handed(proposal.handed.truncate(n), proposal.sources[verified],
+                                                  proposal.raw[verified])
 
     def committed(self, req_ids: Sequence[str], sampled_token_ids: Sequence[Sequence[int]]) -> int | None:
         """The tokens the step committed per request (accepted drafts, then one token of the target's): learn from
@@ -498,7 +492,7 @@ class AcceptanceTracker:
     def forget(self, req_ids: set[str]) -> None:
         self.by_request.forget(req_ids)
         for req_id in req_ids:
-            for pending in (self._proposed, self._scheduled, self._offered, self._unverified):
+            for pending in (self._offered, self._scheduled, self._unverified):
                 pending.pop(req_id, None)
 
 
