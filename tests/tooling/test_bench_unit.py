@@ -407,6 +407,10 @@ def test_bench_reports_the_share_of_steps_that_verified_drafts():
     assert "expected / committed" not in bench.budget_lines([graft])
     graft.budget[0]["expected_vs_realized"] = {"ratio": 1.047, "steps": 50}
     assert "their expected / committed tokens 1.05; decode steps" in bench.budget_lines([graft])
+    assert "offered" not in bench.budget_lines([graft])  # a trace from before the field
+    graft.budget[0].update(offering_steps=60, offered_per_offering_step=27.5, learned_nodes=140, unverified_nodes=90)
+    assert ("3.50 drafts accepted per such step; 27.5 nodes offered per priced proposal, calibration taught by 140 "
+            "verified and 90 left-out nodes)") in bench.budget_lines([graft])
     assert bench.budget_lines([none]) == ""
 
 

@@ -68,9 +68,15 @@ def test_decisions_land_on_the_step_that_verifies_them(monkeypatch, tmp_path):
     assert len(lines) == 2
     first = lines[0]
     assert first["gate"] == "probe" and first["admitted"] == 4 and first["tokens"] == 5 and first["reqs"] == 1
+    assert first["offered"] == 4 and first["offered_depth"] == int(SCORED.depths().max())
+    assert "useful_nodes" not in first  # a probe drafts in full; the next step's tree is capped by what it admitted
+    assert lines[1]["useful_nodes"] == 2 * 4 + 1
     assert first["factor"] == pytest.approx(1.0) and first["forward_ms"] >= 0.0
     assert first["predicted_ms"] == pytest.approx(50.0)  # the flat 50 ms curve, before the step refined it
     assert first["accepted"] == 0  # the step committed only the target's token
+    # its two root children were verified and rejected (the calibration learnt 2 nodes); their children were not
+    # reached, and no root child was left out
+    assert first["learned"] == 2 and "unverified" not in first
     assert first["drafts"] == 4 and "excess" not in first  # this model prices no context
     assert first["head_ms"] == pytest.approx(2.0)  # the self-gated part of the call, apart from drafter_ms
     assert lines[1]["gate"] == "draft" and lines[1]["best"] > lines[1]["plain"] > 0
@@ -107,9 +113,11 @@ def test_a_worker_keeps_its_step_cost_record_next_to_its_trace(monkeypatch, tmp_
 
 def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):
     lines = [{"t": 1.0, "reqs": 2, "tokens": 2, "gate": "skip"},
-             {"t": 2.0, "reqs": 2, "tokens": 10, "gate": "draft", "admitted": 8, "accepted": 3, "factor": 0.5},
+             {"t": 2.0, "reqs": 2, "tokens": 10, "gate": "draft", "admitted": 8, "accepted": 3, "factor": 0.5,
+              "offered": 20, "learned": 5},
              {"t": 3.0, "reqs": 0, "tokens": 0},
-             {"t": 4.0, "reqs": 1, "tokens": 1, "gate": "probe", "admitted": 0, "factor": 1.0}]
+             {"t": 4.0, "reqs": 1, "tokens": 1, "gate": "probe", "admitted": 0, "factor": 1.0, "offered": 6,
+              "unverified": 2}]
     path = tmp_path / "t.jsonl.1"
     path.write_bytes(b"\n".join(trace._encoder.encode(line) for line in reversed(lines)) + b"\n{\"t\": 5")
     read = trace.read([path])  # time order, the torn last line dropped
@@ -117,6 +125,8 @@ def test_summaries_cut_by_time_and_skip_idle_steps(tmp_path):
     whole = trace.summarize(read)
     assert whole["steps"] == 3 and whole["drafted"] == 2 and whole["probes"] == 1 and whole["verifying_steps"] == 1
     assert whole["plain_samples"] == 0
+    assert whole["offering_steps"] == 2 and whole["offered_per_offering_step"] == 13
+    assert whole["learned_nodes"] == 5 and whole["unverified_nodes"] == 2
     assert whole["accepted_per_verifying_step"] == 3 and whole["mean_factor"] == pytest.approx(0.75)
     assert trace.summarize(read, 1.5, 3.5)["steps"] == 1
     assert trace.summarize(read, 10.0) == {"steps": 0}

@@ -15,6 +15,10 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     surplus_ms what the drafted steps' allocations saved lately, per step, from the drafts the target accepted (the
                gate drafts while it beats drafter_ms)
     admitted   draft nodes the allocator kept;  expected: tokens it expected of the step (plain ones included)
+    offered    draft nodes the proposer's trees offered it (each tree counted up to the per-request cap), and
+               offered_depth their deepest level: with admitted, whether the trees or the prices limited a step
+    useful_nodes  the cap on a tree's size the proposer was asked to respect (``ProposeContext.useful_nodes``), when
+               there was one
     drafter_ms the proposer's call with the pricing of its trees, when it drafted, less head_ms
     head_ms    the part of that call a proposer's own gate priced (graft's head, ``ProposeContext.self_gated_seconds``),
                when there was one
@@ -24,6 +28,9 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     request_excess  its E_R (its requests' sequence lengths beyond the sweep's context, each once), likewise
     drafts     draft tokens the forward verified (vLLM's scheduled drafts: a tree's admitted nodes, or a chain's)
     factor     the acceptance tracker's expectation correction;  accepted: drafts the step accepted (tree or chain)
+    learned, unverified  nodes the step's committed tokens taught the acceptance calibration: verified nodes whose
+               parent was accepted, and proposed nodes the budget left out, children of the last accepted node
+               (:class:`~vllm_treespec.verify.calibration.AcceptanceTracker`), when it taught any
 
 A step's ``drafter_ms`` and ``head_ms`` ran before its forward, after the previous step's: the gap between two step
 starts is the first's forward, host time and the second's drafter call, and what is left is work nobody priced
@@ -151,13 +158,16 @@ def read(paths: Iterable[Path]) -> list[dict[str, Any]]:
 
 def summarize(lines: list[dict[str, Any]], start: float | None = None, end: float | None = None) -> dict[str, Any]:
     """The steps between ``start`` and ``end`` (wall-clock): how many, the share that drafted and probed, admitted
-    nodes and accepted drafts per verifying step, mean expectation factor and forward time."""
+    nodes and accepted drafts per verifying step, nodes the trees offered per step whose trees were priced, the
+    nodes the calibration learnt (verified, and left out of the budget), mean expectation factor and forward
+    time."""
     steps = [s for s in lines if (start is None or s["t"] >= start) and (end is None or s["t"] <= end)
              and s.get("reqs", 0) > 0]
     if not steps:
         return {"steps": 0}
     asked = [s for s in steps if "gate" in s]
     verifying = [s for s in steps if s.get("admitted", 0) > 0]
+    offering = [s for s in steps if "offered" in s]
     factors = [s["factor"] for s in steps if "factor" in s]
     return {
         "steps": len(steps),
@@ -169,6 +179,10 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "verifying_steps": len(verifying),
         "admitted_per_verifying_step": sum(s["admitted"] for s in verifying) / max(len(verifying), 1),
         "accepted_per_verifying_step": sum(s.get("accepted", 0) for s in verifying) / max(len(verifying), 1),
+        "offering_steps": len(offering),
+        "offered_per_offering_step": sum(s["offered"] for s in offering) / max(len(offering), 1),
+        "learned_nodes": sum(s.get("learned", 0) for s in steps),
+        "unverified_nodes": sum(s.get("unverified", 0) for s in steps),
         "mean_factor": sum(factors) / len(factors) if factors else None,
         "forward_ms": sum(s.get("forward_ms", 0.0) for s in steps) / len(steps),
         "host_ms": steps[-1].get("host_ms"),

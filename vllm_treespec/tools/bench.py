@@ -621,7 +621,8 @@ def tokens_per_forward(output_tokens: float, accepted: float) -> float | None:
 
 def budget_lines(results: list[MethodResult]) -> str:
     """Per method with a step budget, per repeat (the budget trace): the share of engine steps that verified drafts,
-    the tokens those steps were expected to commit against those they did (:func:`vllm_treespec.cost.trace.
+    repeat 1's nodes admitted and accepted per such step, nodes offered per priced proposal and what taught the
+    acceptance calibration, the tokens those steps were expected to commit against those they did (:func:`vllm_treespec.cost.trace.
     expected_vs_realized`: above 1, the calibrated acceptance promised more than the target gave), and its decode
     steps' speed against its own plain steps' (:func:`vllm_treespec.cost.trace.against_own_plain_steps`: what the
     drafted steps gained over those the gate left plain)."""
@@ -633,9 +634,13 @@ def budget_lines(results: list[MethodResult]) -> str:
             own = [f"{b['own_plain']['ratio']:.2f}x" for b in result.budget if b.get("own_plain")]
             honest = [f"{b['expected_vs_realized']['ratio']:.2f}" for b in result.budget
                       if b.get("expected_vs_realized")]
+            first = result.budget[0]
+            offered = (f"; {first['offered_per_offering_step']:.1f} nodes offered per priced proposal, "
+                       f"calibration taught by {first['learned_nodes']} verified and {first['unverified_nodes']} "
+                       f"left-out nodes" if first.get("offering_steps") else "")
             lines.append(f"{result.spec.label}: steps that verified drafts {' / '.join(shares)} "
-                         f"(repeat 1: {result.budget[0]['admitted_per_verifying_step']:.1f} nodes admitted and "
-                         f"{result.budget[0]['accepted_per_verifying_step']:.2f} drafts accepted per such step)"
+                         f"(repeat 1: {first['admitted_per_verifying_step']:.1f} nodes admitted and "
+                         f"{first['accepted_per_verifying_step']:.2f} drafts accepted per such step{offered})"
                          + (f"; their expected / committed tokens {' / '.join(honest)}" if honest else "")
                          + (f"; decode steps against the engine's own plain steps {' / '.join(own)}" if own else ""))
     return ("\n\nstep budget (VLLM_TREESPEC_BUDGET_TRACE):\n" + "\n".join(lines)) if lines else ""

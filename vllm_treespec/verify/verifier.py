@@ -120,11 +120,18 @@ class TreeVerifier:
         req_ids = list(input_batch.req_ids[:num_reqs])
         tracking = self._tracks_acceptance()
         if tracking:
+            stats = self.acceptance.stats
+            learned, unverified = stats["learned_nodes"], stats["unverified_nodes"]
             accepted = self.acceptance.committed(req_ids, sampled_token_ids)
             if self.budget is not None:
                 self.budget.verified(accepted)
-                if accepted is not None and self.budget.trace is not None:
-                    self.budget.trace.note(accepted=accepted)
+                trace = self.budget.trace
+                if trace is not None:
+                    if accepted is not None:
+                        trace.note(accepted=accepted)
+                    taught = {"learned": stats["learned_nodes"] - learned,
+                              "unverified": stats["unverified_nodes"] - unverified}
+                    trace.note(**{field: nodes for field, nodes in taught.items() if nodes})
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
                              max_nodes=self.max_nodes,
@@ -155,6 +162,8 @@ class TreeVerifier:
             ctx.useful_nodes = 2 * max(nodes for _, nodes in self._admitted) + 1
         started = time.perf_counter()
         drafted, drafting, glanced = self._draft(ctx)
+        if drafting and ctx.useful_nodes is not None and self.budget.trace is not None:
+            self.budget.trace.plan(useful_nodes=ctx.useful_nodes)
         if not drafting:  # no tree for any request (the gate skipped the drafter, or none needs a draft)
             return self._hand_over_nothing(num_reqs, tracking, ctx.expectation_factor)
         # nodes no step can commit (the request ends first) are neither priced nor verified
