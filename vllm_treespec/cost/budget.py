@@ -235,13 +235,13 @@ class StepBudget:
             self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
         self.stats["allocations"] += 1
         self.stats["probes"] += self.gate.probing
-        self.stats["proposed_nodes"] += sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)
+        offered = sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)
+        self.stats["proposed_nodes"] += offered
         self.stats["admitted_nodes"] += allocation.total_nodes
         if self.trace is not None:
-            offered = [t for t in trees if t is not None and t.num_nodes]
-            self.trace.plan(admitted=allocation.total_nodes, expected=allocation.expected_tokens,
-                            offered=sum(min(t.num_nodes, self.max_nodes) for t in offered),
-                            offered_depth=max((int(t.depths().max()) for t in offered), default=0))
+            self.trace.plan(admitted=allocation.total_nodes, expected=allocation.expected_tokens, offered=offered,
+                            offered_depth=max((int(t.depths().max()) for t in trees if t is not None and t.num_nodes),
+                                              default=0))
         return allocation.trees
 
     def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0, drafts: int = 0,
