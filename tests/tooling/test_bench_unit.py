@@ -870,3 +870,57 @@ def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, m
     bench_serve.main(common)  # paused by default
     assert events == [("pause", bench_serve.TURN_PAUSE_S), (1, "none"), ("pause", bench_serve.TURN_PAUSE_S),
                       (1, "graft"), (2, "graft"), ("pause", bench_serve.TURN_PAUSE_S), (2, "none")]
+
+
+def test_bench_serve_writes_each_finished_round_before_the_next(tmp_path, monkeypatch):
+    """results.json and table.txt are written after every round: a run stopped in its third round (a session's
+    time; three rounds of five levels took ~2 hours on a slow CPU) keeps its first two, marked partial."""
+    from vllm_treespec.tools import bench_serve
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(8)))
+    levels_run = []
+
+    class FakeServer:
+        def __init__(self, model, spec, args, log_path, env):
+            self.label = log_path.stem.removeprefix("server-").rsplit("-r", 1)[0]
+            self.port, self.url = 0, f"http://127.0.0.1:{self.label}"
+            self.process = SimpleNamespace(pid=1)
+
+        def start(self):
+            return self
+
+        def alive(self):
+            return True
+
+        def rss_by_process(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    async def fake_level(url, prompts, concurrency, max_tokens, temperature):
+        if prompts[0] != bench_serve.WARMUP_PROMPT:
+            levels_run.append(concurrency)
+            if len(levels_run) > 8:  # two rounds of 2 levels x 2 servers, then the third round is stopped
+                raise KeyboardInterrupt
+        reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
+                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
+        return [reply] * len(prompts), 2.0 if url.endswith(":none") else 1.0
+
+    monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
+    monkeypatch.setattr(bench_serve, "run_level", fake_level)
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
+    monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
+    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 64 << 30)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        bench_serve.main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2",
+                          "--requests-per-level", "2", "--methods", "graft", "--interleave", "--repeats", "3",
+                          "--turn-pause", "0", "--cpu-affinity", "os", "--out", str(out)])
+    report = json.loads((out / "results.json").read_text())
+    assert report["rounds_completed"] == 2
+    by = {m["label"]: m for m in report["methods"]}
+    assert by["graft"]["rounds"] == by["none"]["rounds"] == 2
+    assert by["graft"]["levels"]["1"]["rounds_vs_none"] == [2.0, 2.0]
+    assert (out / "table.txt").read_text().startswith("partial: 2 of 3 rounds\n")

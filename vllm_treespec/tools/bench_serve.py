@@ -6,7 +6,8 @@ chat completions from a bounded asyncio client at each concurrency level (defaul
 requests (at least the concurrency) with at most ``concurrency`` in flight. Reported per method and level: output
 tokens/s, requests/s, TTFT and inter-token latency (gap between streamed chunks; a chunk can carry several tokens
 when drafts are accepted) percentiles, and time per output token. The server is always stopped, its whole process
-group, whatever happens. Output: a table, results.json and PNG plots (throughput, TTFT p50 and ITL p50 per level).
+group, whatever happens. Output: a table, results.json and PNG plots (throughput, TTFT p50 and ITL p50 per level);
+results.json and table.txt are written after every round, so a run stopped part way keeps its finished rounds.
 
 This machine's speed drifts over minutes, so ``--repeats R`` runs R rounds, every method once per round, in
 reverse order every other round (a fresh server each time, the same prompts), and reports per method and level the
@@ -568,6 +569,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def write_report(args: argparse.Namespace, specs: list[MethodSpec], skipped: dict[str, str],
+                 rounds: dict[str, list[dict[str, Any]]], rounds_completed: int,
+                 out_dir: Path) -> tuple[list[dict[str, Any]], str]:
+    """Merge the rounds run so far and write results.json and table.txt. Called after every round: a run stopped
+    part way (a session's time, an interrupted client) keeps what its finished rounds measured, marked partial."""
+    methods = [{"label": spec.label, "method": spec.method, "status": "skipped", "reason": skipped[spec.label]}
+               if skipped[spec.label] else merge_rounds(rounds[spec.label]) for spec in specs]
+    add_ratios(methods)
+    add_builtin_ratios(methods)
+    report = {"config": {k: v for k, v in vars(args).items()}, "rounds_completed": rounds_completed,
+              "methods": methods}
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    table = format_table(methods)
+    if rounds_completed < args.repeats:
+        table = f"partial: {rounds_completed} of {args.repeats} rounds\n" + table
+    (out_dir / "table.txt").write_text(table + "\n")
+    return methods, table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -634,19 +654,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr)
             for label, entry in run_interleaved(order, prompts, args, out_dir, r).items():
                 rounds[label].append(entry)
-            continue
-        for spec in order:
-            if args.repeats > 1:
-                print(f"round {r + 1}/{args.repeats}: {spec.label}", file=sys.stderr)
-            rounds[spec.label].append(run_method(spec, prompts, args, out_dir, r))
-    methods = [{"label": spec.label, "method": spec.method, "status": "skipped", "reason": skipped[spec.label]}
-               if skipped[spec.label] else merge_rounds(rounds[spec.label]) for spec in specs]
-    add_ratios(methods)
-    add_builtin_ratios(methods)
-    report = {"config": {k: v for k, v in vars(args).items()}, "methods": methods}
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
-    table = format_table(methods)
-    (out_dir / "table.txt").write_text(table + "\n")
+        else:
+            for spec in order:
+                if args.repeats > 1:
+                    print(f"round {r + 1}/{args.repeats}: {spec.label}", file=sys.stderr)
+                rounds[spec.label].append(run_method(spec, prompts, args, out_dir, r))
+        methods, table = write_report(args, specs, skipped, rounds, r + 1, out_dir)
     print(table)
     path = plot(methods, out_dir)
     print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'table.txt'}, {path}")
