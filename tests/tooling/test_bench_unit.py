@@ -817,14 +817,14 @@ def test_bench_serve_pairs_every_tree_method_with_vllms_best_method_at_each_leve
     assert "vs_builtin" not in alone[1]["levels"]["1"]
 
 
-def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, monkeypatch):
-    """``--interleave --turn-pause S`` (default TURN_PAUSE_S): a server whose turn follows another server's (its level or its warm-up)
-    waits S seconds first; one that runs again right after itself (the reversed order's first of a level) does not."""
+def _healthy_fake_servers(monkeypatch, tmp_path, on_level, seconds=lambda label: 1.0):
+    """``bench serve`` against servers that always start and stay up, each level answered at once: ``on_level(
+    concurrency, label)`` is called for every level but the warm-ups, and a level of server ``label`` reports
+    ``seconds(label)`` of wall time. Returns the path of 8 one-turn prompts."""
     from vllm_treespec.tools import bench_serve
 
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(8)))
-    events = []
 
     class FakeServer:
         def __init__(self, model, spec, args, log_path, env):
@@ -845,17 +845,28 @@ def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, m
             pass
 
     async def fake_level(url, prompts, concurrency, max_tokens, temperature):
+        label = url.rsplit(":", 1)[1]
         if prompts[0] != bench_serve.WARMUP_PROMPT:
-            events.append((concurrency, url.rsplit(":", 1)[1]))
+            on_level(concurrency, label)
         reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
                                 chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
-        return [reply] * len(prompts), 1.0
+        return [reply] * len(prompts), seconds(label)
 
     monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
     monkeypatch.setattr(bench_serve, "run_level", fake_level)
     monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
     monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
     monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 64 << 30)
+    return path
+
+
+def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, monkeypatch):
+    """``--interleave --turn-pause S`` (default TURN_PAUSE_S): a server whose turn follows another server's (its level or its warm-up)
+    waits S seconds first; one that runs again right after itself (the reversed order's first of a level) does not."""
+    from vllm_treespec.tools import bench_serve
+
+    events = []
+    path = _healthy_fake_servers(monkeypatch, tmp_path, lambda concurrency, label: events.append((concurrency, label)))
     monkeypatch.setattr(bench_serve.time, "sleep", lambda seconds: events.append(("pause", seconds)))
     common = ["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2", "--requests-per-level", "2",
               "--methods", "graft", "--interleave", "--cpu-affinity", "os", "--out", str(tmp_path / "out")]
@@ -877,42 +888,14 @@ def test_bench_serve_writes_each_finished_round_before_the_next(tmp_path, monkey
     time; three rounds of five levels took ~2 hours on a slow CPU) keeps its first two, marked partial."""
     from vllm_treespec.tools import bench_serve
 
-    path = tmp_path / "q.jsonl"
-    path.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q{i}"]}) for i in range(8)))
     levels_run = []
 
-    class FakeServer:
-        def __init__(self, model, spec, args, log_path, env):
-            self.label = log_path.stem.removeprefix("server-").rsplit("-r", 1)[0]
-            self.port, self.url = 0, f"http://127.0.0.1:{self.label}"
-            self.process = SimpleNamespace(pid=1)
+    def on_level(concurrency, label):
+        levels_run.append(concurrency)
+        if len(levels_run) > 8:  # two rounds of 2 levels x 2 servers, then the third round is stopped
+            raise KeyboardInterrupt
 
-        def start(self):
-            return self
-
-        def alive(self):
-            return True
-
-        def rss_by_process(self):
-            return {}
-
-        def stop(self):
-            pass
-
-    async def fake_level(url, prompts, concurrency, max_tokens, temperature):
-        if prompts[0] != bench_serve.WARMUP_PROMPT:
-            levels_run.append(concurrency)
-            if len(levels_run) > 8:  # two rounds of 2 levels x 2 servers, then the third round is stopped
-                raise KeyboardInterrupt
-        reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
-                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
-        return [reply] * len(prompts), 2.0 if url.endswith(":none") else 1.0
-
-    monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
-    monkeypatch.setattr(bench_serve, "run_level", fake_level)
-    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda model: WordTokenizer())
-    monkeypatch.setattr(bench_serve, "plot", lambda methods, out_dir: out_dir / "serve.png")
-    monkeypatch.setattr(bench_serve, "available_memory_bytes", lambda: 64 << 30)
+    path = _healthy_fake_servers(monkeypatch, tmp_path, on_level, seconds=lambda label: 2.0 if label == "none" else 1.0)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         bench_serve.main(["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2",
