@@ -18,13 +18,18 @@ engine, where a step budget verifies less than everything: how many tokens per s
 against ``ngram``'s, at how many verified nodes. ``--cost RECORD`` (a step-cost record: an engine's cached curve in
 ``<cache>/cost_models/``, or the ``.cost.json`` beside a budget trace) also prices each step's forward (one request,
 its proposal's nodes plus the root, at the curve's context) and prints tokens per second of forward time against
-``ngram``'s: host work is not counted, so this bounds what a policy can gain on that engine's curve.
+``ngram``'s: host work is not counted, so this bounds what a policy can gain on that engine's curve. With
+``--cost`` two more rows run graft's retrieval as the verifier runs it (:func:`replay_priced`): both sources' trees
+merged, priced by the verifier's acceptance calibration as it learns online, and cut by the step budget's rule on
+that curve (by match length: the sources' nodes learnt apart by how long a context suffix they matched). No head
+and no drafter gate; ``--overhead-ms`` charges host time to each step that drafts. Where it lands between
+``ngram`` and hindsight says how much of what the trees hold the budget gets on that machine's curve.
 
     python scripts/replay_matches.py --prompts "sharegpt[2200:2240],humaneval[100:104]" --save /tmp/ref.jsonl
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies \
-        --cost ~/.cache/vllm_treespec/cost_models/X.json
+        --cost ~/.cache/vllm_treespec/cost_models/X.json [--overhead-ms 3]
 """
 
 from __future__ import annotations
@@ -181,6 +186,71 @@ def replay_policies(records: list[dict], step_seconds=None) -> dict[str, tuple[f
             for label, t in totals.items()}
 
 
+def replay_priced(records: list[dict], cost, by_match_length: bool = False, overhead: float = 0.0,
+                  breakdown: dict | None = None) -> tuple[float, ...]:
+    """graft's retrieval under the verifier's budget: at every step the suffix and n-gram trees, merged as graft
+    merges them, priced by the verifier's own acceptance calibration (:class:`AcceptanceTracker`: learned online from
+    what this replay verified and from the committed token after the last accepted node, with its expectation
+    corrections) and cut by the step budget's rule (:func:`~vllm_treespec.cost.allocate.allocate`: the best prefix of
+    nodes by tokens per second on ``cost``, none when none pays). No head, no drafter gate, no host work but
+    ``overhead`` seconds on a step with drafts. Returns what :func:`replay_policies` returns per policy.
+    ``breakdown`` (a dict) collects, per match-length class of the step's longest retrieval match, [steps, tokens
+    the proposed trees' accepted path held (hindsight), drafts accepted, nodes admitted]."""
+    from vllm_treespec.api import DraftTree
+    from vllm_treespec.cost.allocate import allocate
+    from vllm_treespec.proposers.graft.sources import match_class_sources
+    from vllm_treespec.retrieval import union_trees
+    from vllm_treespec.verify.calibration import AcceptanceTracker
+
+    names = ("suffix", "ngram")
+    sources = RetrievalSources(GraftOptions(sources=names), FALLBACK_VOCAB_SIZE)
+    tracker = AcceptanceTracker([n for s in names for n in (match_class_sources(s) if by_match_length else (s,))])
+
+    def source_id(name: str, match_len: int) -> int:
+        return tracker.calibration.source_id(match_class_sources(name)[match_class(match_len)] if by_match_length
+                                             else name)
+
+    tokens_total = steps = nodes_total = drafting = 0
+    seconds = 0.0
+    for key, record in enumerate(records):
+        req = str(key)
+        prompt, output = record["prompt"], record["output"]
+        tokens = np.asarray(prompt + output, np.int32)
+        i = 0
+        while i < len(output):
+            context, future = tokens[: len(prompt) + i], output[i:]
+            found = [(name, t) for name, t in sources.at_root(key, context, BUDGET, len(prompt)).items()
+                     if t.num_nodes]
+            final, held = None, 0
+            if found:
+                union = union_trees([(t.token_ids, t.parents, t.probs) for _, t in found], [-1] * len(found))
+                raw = np.concatenate([np.asarray(t.probs, np.float64) for _, t in found])[union.origin]
+                ids = np.concatenate([np.full(t.num_nodes, source_id(name, t.match_len)) for name, t in found])
+                proposed = DraftTree(union.token_ids, union.parents, raw.astype(np.float32), ids[union.origin])
+                held = int(walk(proposed, future)[0].sum())
+                priced = tracker.calibrate([proposed], req_ids=[req])
+                final = allocate(priced, cost, per_request_cap=BUDGET, overhead=overhead).trees[0]
+                tracker.handed([req], [proposed], [final])
+                tracker.scheduled({req: final.token_ids.tolist() if final is not None else []})
+            accepted = int(walk(final, future)[0].sum()) if final is not None else 0
+            if found:
+                tracker.committed([req], [future[: accepted + 1]])
+            k = final.num_nodes if final is not None else 0
+            if breakdown is not None and found:
+                cell = breakdown.setdefault(MATCH_CLASSES[match_class(max(t.match_len for _, t in found))], [0] * 4)
+                for j, value in enumerate((1, held, accepted, k)):
+                    cell[j] += value
+            tokens_total += accepted + 1
+            steps += 1
+            nodes_total += k
+            drafting += k > 0
+            seconds += cost.predict(1 + k, 1) + (overhead if k else 0.0)
+            i += accepted + 1
+        sources.release({key})
+        tracker.by_request.forget({req})
+    return tokens_total / steps, nodes_total / steps, drafting / steps, tokens_total / seconds
+
+
 def report_policies(results: dict[str, tuple[float, ...]]) -> str:
     priced = all(len(r) == 4 for r in results.values())
     baseline = results.get("vLLM ngram, k=5")
@@ -194,14 +264,32 @@ def report_policies(results: dict[str, tuple[float, ...]]) -> str:
     return "\n".join(lines)
 
 
-def step_seconds_of(record_path: str):
-    """tokens -> seconds of a one-request forward at the curve's context, from a step-cost record file."""
+def report_breakdowns(breakdowns: dict[str, dict]) -> str:
+    """Per budget policy and class of a step's longest retrieval match: what hindsight and the budget took."""
+    lines = ["steps with a match, by their longest: steps, tokens a step the trees' accepted path held (hindsight), "
+             "drafts accepted and nodes verified a step under the budget"]
+    for label, cells in breakdowns.items():
+        lines.append(f"  {label}")
+        for low in sorted(cells):
+            steps, held, accepted, admitted = cells[low]
+            lines.append(f"    match {low:>2}+ {steps:6} steps  hindsight {held / steps:5.2f}  accepted "
+                         f"{accepted / steps:5.2f}  verified {admitted / steps:5.2f}")
+    return "\n".join(lines)
+
+
+def cost_model_of(record_path: str):
+    """The step-cost model of a step-cost record file."""
     import msgspec
 
     from vllm_treespec.cost.model import CostRecord
 
     with open(record_path, "rb") as f:
-        model = msgspec.json.decode(f.read(), type=CostRecord).step_model()
+        return msgspec.json.decode(f.read(), type=CostRecord).step_model()
+
+
+def step_seconds_of(record_path: str):
+    """tokens -> seconds of a one-request forward at the curve's context, from a step-cost record file."""
+    model = cost_model_of(record_path)
     return lambda tokens: model.predict(tokens, 1)
 
 
@@ -236,6 +324,8 @@ def main() -> None:
                         help="decode every output under each drafting policy, verifying all it proposes (POLICIES)")
     parser.add_argument("--cost", default=None,
                         help="with --policies: a step-cost record (JSON) to price each step's forward by")
+    parser.add_argument("--overhead-ms", type=float, default=0.0,
+                        help="with --cost: host time a step with drafts costs graft's budget policies")
     args = parser.parse_args()
     if args.outputs:
         with open(args.outputs) as f:
@@ -247,7 +337,17 @@ def main() -> None:
                 f.writelines(json.dumps(r) + "\n" for r in records)
     if args.policies:
         print(f"{len(records)} outputs, {sum(len(r['output']) for r in records)} tokens; every proposal verified")
-        print(report_policies(replay_policies(records, step_seconds_of(args.cost) if args.cost else None)))
+        results = replay_policies(records, step_seconds_of(args.cost) if args.cost else None)
+        if args.cost:
+            cost = cost_model_of(args.cost)
+            breakdowns = {}
+            for by_length in (False, True):
+                label = "graft's budget" + (", by match length" if by_length else "")
+                breakdowns[label] = {}
+                results[label] = replay_priced(records, cost, by_length, args.overhead_ms / 1e3, breakdowns[label])
+        print(report_policies(results))
+        if args.cost:
+            print(report_breakdowns(breakdowns))
         return
     print(f"{len(records)} outputs; node acceptance (reached nodes) by source, match length, depth, raw confidence")
     print(report(*replay(records)))

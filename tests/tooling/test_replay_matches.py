@@ -73,3 +73,48 @@ def test_hindsight_verifies_only_what_is_accepted_and_is_the_fastest_policy():
     assert hindsight[3] == max(r[3] for r in results.values())
     table = script.report_policies(results)
     assert "vs ngram" in table and "1.00x" in table
+
+
+class _LinearCost:
+    """A step-cost curve: a plain step takes ``base`` seconds, each draft row ``per_row`` more."""
+
+    def __init__(self, base: float, per_row: float) -> None:
+        self.base, self.per_row = base, per_row
+
+    def predict_many(self, num_tokens, num_reqs=1, excess=0.0, plain_tokens=None, request_excess=None):
+        return self.base + self.per_row * (np.asarray(num_tokens, np.float64) - 1)
+
+    def predict(self, num_tokens, num_reqs=1):
+        return float(self.predict_many(num_tokens, num_reqs))
+
+
+def test_the_budget_policy_verifies_what_is_free_and_nothing_that_costs_more_than_it_can_yield():
+    script = _script()
+    loop = list(range(100, 112))
+    records = [{"prompt": [1, 2, 3], "output": loop * 4}]
+    everything = script.replay_policies(records)["suffix + n-gram trees, 32 each"]
+    free = script.replay_priced(records, _LinearCost(0.01, 0.0))
+    # rows cost nothing: every proposal is verified whole, up to the cap, so it commits what the trees do
+    assert free[2] == everything[2] and free[0] == everything[0]
+    # a row costs ten plain steps: no draft can pay for itself, so nothing is verified
+    dear = script.replay_priced(records, _LinearCost(0.001, 0.01))
+    assert dear[:3] == (1.0, 0.0, 0.0) and abs(dear[3] - 1 / 0.001) < 1e-6
+
+
+def test_the_budget_policy_learns_a_repeated_loop_and_beats_plain_decoding():
+    script = _script()
+    loop = list(range(100, 112))
+    records = [{"prompt": [1, 2, 3], "output": loop * 4}]
+    cost = _LinearCost(0.01, 0.001)
+    for by_match_length in (False, True):
+        breakdown = {}
+        tokens, nodes, share, rate = script.replay_priced(records, cost, by_match_length, breakdown=breakdown)
+        # the loop's later passes are accepted whole: more than a token a step, at a better rate than plain steps'
+        assert tokens > 2.0 and 0 < share < 1 and rate > 1 / cost.predict(1)
+        # per match class: the budget accepts no more than the trees held, and the loop's repeats match long
+        steps, held, accepted, admitted = (sum(cell[j] for cell in breakdown.values()) for j in range(4))
+        assert accepted <= held and accepted <= admitted and max(breakdown) == script.MATCH_CLASSES[-1]
+        assert 0 < steps <= round(len(records[0]["output"]) / tokens)  # steps with a match, of all steps
+        assert "match" in script.report_breakdowns({"graft's budget": breakdown})
+        # the budget cuts the trees to the nodes that pay: fewer than all both sources propose
+    assert nodes < script.replay_policies(records)["suffix + n-gram trees, 32 each"][1]
