@@ -23,7 +23,10 @@ its proposal's nodes plus the root, at the curve's context) and prints tokens pe
 merged, priced by the verifier's acceptance calibration as it learns online, and cut by the step budget's rule on
 that curve (by match length: the sources' nodes learnt apart by how long a context suffix they matched). No head
 and no drafter gate; ``--overhead-ms`` charges host time to each step that drafts. Where it lands between
-``ngram`` and hindsight says how much of what the trees hold the budget gets on that machine's curve.
+``ngram`` and hindsight says how much of what the trees hold the budget gets on that machine's curve. A third row
+prices every node by the rate its class (source and match length, depth, raw confidence) had on these very outputs
+(:func:`in_sample_rates`): the most any calibration keyed on those classes could know, so what separates it from
+hindsight is what those classes cannot tell apart.
 
     python scripts/replay_matches.py --prompts "sharegpt[2200:2240],humaneval[100:104]" --save /tmp/ref.jsonl
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl
@@ -186,8 +189,60 @@ def replay_policies(records: list[dict], step_seconds=None) -> dict[str, tuple[f
             for label, t in totals.items()}
 
 
+#: raw-confidence bins and depth classes of :func:`in_sample_rates` (the calibration's)
+RATE_BINS, RATE_DEPTHS = 10, 3
+
+
+def _rate_keys(tree) -> list[tuple[int, int, int]]:
+    """Per node of a merged proposal: (source class, depth class, raw-confidence bin)."""
+    bins = np.minimum((np.asarray(tree.node_probs, np.float64) * RATE_BINS).astype(np.int64), RATE_BINS - 1)
+    return list(zip(tree.node_sources.tolist(), np.minimum(tree.depths(), RATE_DEPTHS).tolist(), bins.tolist()))
+
+
+def _merged_proposal(sources, key: int, context: np.ndarray, prompt_len: int, source_id):
+    """Both sources' trees continuing ``context``, merged as graft merges them, with each node's source class and
+    raw confidence (a DraftTree); (None, []) when neither source matched."""
+    from vllm_treespec.api import DraftTree
+    from vllm_treespec.retrieval import union_trees
+
+    found = [(name, t) for name, t in sources.at_root(key, context, BUDGET, prompt_len).items() if t.num_nodes]
+    if not found:
+        return None, found
+    union = union_trees([(t.token_ids, t.parents, t.probs) for _, t in found], [-1] * len(found))
+    raw = np.concatenate([np.asarray(t.probs, np.float64) for _, t in found])[union.origin]
+    ids = np.concatenate([np.full(t.num_nodes, source_id(name, t.match_len)) for name, t in found])
+    return DraftTree(union.token_ids, union.parents, raw.astype(np.float32), ids[union.origin]), found
+
+
+def in_sample_rates(records: list[dict]) -> dict[tuple[int, int, int], float]:
+    """How often the target accepted the nodes it reached of the merged proposal at every output position, by
+    source and match-length class, depth class and raw-confidence bin: rates measured on the outputs they will price
+    (Laplace-smoothed), what no online calibration keyed on those classes can beat."""
+    from vllm_treespec.proposers.graft.sources import match_class_sources
+
+    names = ("suffix", "ngram")
+    classes = [n for s in names for n in match_class_sources(s)]
+    counts: dict[tuple[int, int, int], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for key, record in enumerate(records):
+        sources = RetrievalSources(GraftOptions(sources=names), FALLBACK_VOCAB_SIZE)
+        prompt, output = record["prompt"], record["output"]
+        tokens = np.asarray(prompt + output, np.int32)
+        for i in range(len(output)):
+            tree, _ = _merged_proposal(sources, key, tokens[: len(prompt) + i], len(prompt),
+                                       lambda name, m: classes.index(match_class_sources(name)[match_class(m)]))
+            if tree is None:
+                continue
+            accepted, reached, _ = walk(tree, output[i:])
+            keys = _rate_keys(tree)
+            for j in np.flatnonzero(reached).tolist():
+                cell = counts[keys[j]]
+                cell[0] += int(accepted[j])
+                cell[1] += 1
+    return {cell: (a + 1.0) / (n + 2.0) for cell, (a, n) in counts.items()}
+
+
 def replay_priced(records: list[dict], cost, by_match_length: bool = False, overhead: float = 0.0,
-                  breakdown: dict | None = None) -> tuple[float, ...]:
+                  breakdown: dict | None = None, rates: dict | None = None) -> tuple[float, ...]:
     """graft's retrieval under the verifier's budget: at every step the suffix and n-gram trees, merged as graft
     merges them, priced by the verifier's own acceptance calibration (:class:`AcceptanceTracker`: learned online from
     what this replay verified and from the committed token after the last accepted node, with its expectation
@@ -195,14 +250,16 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
     nodes by tokens per second on ``cost``, none when none pays). No head, no drafter gate, no host work but
     ``overhead`` seconds on a step with drafts. Returns what :func:`replay_policies` returns per policy.
     ``breakdown`` (a dict) collects, per match-length class of the step's longest retrieval match, [steps, tokens
-    the proposed trees' accepted path held (hindsight), drafts accepted, nodes admitted]."""
+    the proposed trees' accepted path held (hindsight), drafts accepted, nodes admitted]. ``rates``
+    (:func:`in_sample_rates`) prices every node by its class's rate in that table instead of the calibration (by
+    match length)."""
     from vllm_treespec.api import DraftTree
     from vllm_treespec.cost.allocate import allocate
     from vllm_treespec.proposers.graft.sources import match_class_sources
-    from vllm_treespec.retrieval import union_trees
     from vllm_treespec.verify.calibration import AcceptanceTracker
 
     names = ("suffix", "ngram")
+    by_match_length = by_match_length or rates is not None
     sources = RetrievalSources(GraftOptions(sources=names), FALLBACK_VOCAB_SIZE)
     tracker = AcceptanceTracker([n for s in names for n in (match_class_sources(s) if by_match_length else (s,))])
 
@@ -218,17 +275,14 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
         tokens = np.asarray(prompt + output, np.int32)
         i = 0
         while i < len(output):
-            context, future = tokens[: len(prompt) + i], output[i:]
-            found = [(name, t) for name, t in sources.at_root(key, context, BUDGET, len(prompt)).items()
-                     if t.num_nodes]
+            future = output[i:]
+            proposed, found = _merged_proposal(sources, key, tokens[: len(prompt) + i], len(prompt), source_id)
             final, held = None, 0
             if found:
-                union = union_trees([(t.token_ids, t.parents, t.probs) for _, t in found], [-1] * len(found))
-                raw = np.concatenate([np.asarray(t.probs, np.float64) for _, t in found])[union.origin]
-                ids = np.concatenate([np.full(t.num_nodes, source_id(name, t.match_len)) for name, t in found])
-                proposed = DraftTree(union.token_ids, union.parents, raw.astype(np.float32), ids[union.origin])
                 held = int(walk(proposed, future)[0].sum())
-                priced = tracker.calibrate([proposed], req_ids=[req])
+                priced = tracker.calibrate([proposed], req_ids=[req]) if rates is None else [DraftTree(
+                    proposed.token_ids, proposed.parents,
+                    np.array([rates.get(cell, 0.0) for cell in _rate_keys(proposed)], np.float32))]
                 final = allocate(priced, cost, per_request_cap=BUDGET, overhead=overhead).trees[0]
                 tracker.handed([req], [proposed], [final])
                 tracker.scheduled({req: final.token_ids.tolist() if final is not None else []})
@@ -341,10 +395,12 @@ def main() -> None:
         if args.cost:
             cost = cost_model_of(args.cost)
             breakdowns = {}
-            for by_length in (False, True):
-                label = "graft's budget" + (", by match length" if by_length else "")
+            for label, by_length, rates in (("graft's budget", False, None),
+                                            ("graft's budget, by match length", True, None),
+                                            ("the budget at in-sample class rates", True, in_sample_rates(records))):
                 breakdowns[label] = {}
-                results[label] = replay_priced(records, cost, by_length, args.overhead_ms / 1e3, breakdowns[label])
+                results[label] = replay_priced(records, cost, by_length, args.overhead_ms / 1e3, breakdowns[label],
+                                               rates)
         print(report_policies(results))
         if args.cost:
             print(report_breakdowns(breakdowns))

@@ -118,3 +118,17 @@ def test_the_budget_policy_learns_a_repeated_loop_and_beats_plain_decoding():
         assert "match" in script.report_breakdowns({"graft's budget": breakdown})
         # the budget cuts the trees to the nodes that pay: fewer than all both sources propose
     assert nodes < script.replay_policies(records)["suffix + n-gram trees, 32 each"][1]
+
+
+def test_in_sample_rates_price_a_repeated_loop_as_the_outputs_accepted_it():
+    script = _script()
+    loop = list(range(100, 112))
+    records = [{"prompt": [1, 2, 3], "output": loop * 4}]
+    rates = script.in_sample_rates(records)
+    assert rates and all(0 < r < 1 for r in rates.values())
+    # the suffix source's longest match class: the loop's repeats, accepted wherever the target reached them
+    long_suffix = len(script.MATCH_CLASSES) - 1
+    assert min(r for (source, _, _), r in rates.items() if source == long_suffix) > 0.9
+    cost = _LinearCost(0.01, 0.001)
+    tokens, nodes, share, rate = script.replay_priced(records, cost, rates=rates)
+    assert tokens > 2.0 and rate > 1 / cost.predict(1)
