@@ -189,14 +189,25 @@ def replay_policies(records: list[dict], step_seconds=None) -> dict[str, tuple[f
             for label, t in totals.items()}
 
 
-#: raw-confidence bins and depth classes of :func:`in_sample_rates` (the calibration's)
-RATE_BINS, RATE_DEPTHS = 10, 3
-
-
 def _rate_keys(tree) -> list[tuple[int, int, int]]:
-    """Per node of a merged proposal: (source class, depth class, raw-confidence bin)."""
-    bins = np.minimum((np.asarray(tree.node_probs, np.float64) * RATE_BINS).astype(np.int64), RATE_BINS - 1)
-    return list(zip(tree.node_sources.tolist(), np.minimum(tree.depths(), RATE_DEPTHS).tolist(), bins.tolist()))
+    """Per node of a merged proposal: (source class, depth class, raw-confidence bin), the calibration's keys."""
+    from vllm_treespec.verify.calibration import AcceptanceCalibration, depth_class
+
+    return list(zip(tree.node_sources.tolist(), depth_class(tree.depths()).tolist(),
+                    AcceptanceCalibration.bins(tree.node_probs).tolist()))
+
+
+def _acceptance_sources(by_match_length: bool):
+    """graft's acceptance-source names of the suffix and n-gram sources (one per match-length class, or one each),
+    and (source name, match length) -> index among them."""
+    from vllm_treespec.proposers.graft.sources import MATCHED_SOURCES, match_class_sources
+
+    names = [n for s in MATCHED_SOURCES for n in (match_class_sources(s) if by_match_length else (s,))]
+
+    def source_id(name: str, match_len: int) -> int:
+        return names.index(match_class_sources(name)[match_class(match_len)] if by_match_length else name)
+
+    return names, source_id
 
 
 def _merged_proposal(sources, key: int, context: np.ndarray, prompt_len: int, source_id):
@@ -218,18 +229,18 @@ def in_sample_rates(records: list[dict]) -> dict[tuple[int, int, int], float]:
     """How often the target accepted the nodes it reached of the merged proposal at every output position, by
     source and match-length class, depth class and raw-confidence bin: rates measured on the outputs they will price
     (Laplace-smoothed), what no online calibration keyed on those classes can beat."""
-    from vllm_treespec.proposers.graft.sources import match_class_sources
+    from vllm_treespec.proposers.graft.sources import MATCHED_SOURCES
 
-    names = ("suffix", "ngram")
-    classes = [n for s in names for n in match_class_sources(s)]
+    _, source_id = _acceptance_sources(by_match_length=True)
+    # one set of sources for every output, each released after it, as replay_priced runs them: finished outputs
+    # join the global suffix store, so an output's proposals are the ones the budget replay prices
+    sources = RetrievalSources(GraftOptions(sources=MATCHED_SOURCES), FALLBACK_VOCAB_SIZE)
     counts: dict[tuple[int, int, int], list[int]] = collections.defaultdict(lambda: [0, 0])
     for key, record in enumerate(records):
-        sources = RetrievalSources(GraftOptions(sources=names), FALLBACK_VOCAB_SIZE)
         prompt, output = record["prompt"], record["output"]
         tokens = np.asarray(prompt + output, np.int32)
         for i in range(len(output)):
-            tree, _ = _merged_proposal(sources, key, tokens[: len(prompt) + i], len(prompt),
-                                       lambda name, m: classes.index(match_class_sources(name)[match_class(m)]))
+            tree, _ = _merged_proposal(sources, key, tokens[: len(prompt) + i], len(prompt), source_id)
             if tree is None:
                 continue
             accepted, reached, _ = walk(tree, output[i:])
@@ -238,6 +249,7 @@ def in_sample_rates(records: list[dict]) -> dict[tuple[int, int, int], float]:
                 cell = counts[keys[j]]
                 cell[0] += int(accepted[j])
                 cell[1] += 1
+        sources.release({key})
     return {cell: (a + 1.0) / (n + 2.0) for cell, (a, n) in counts.items()}
 
 
@@ -255,17 +267,12 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
     match length)."""
     from vllm_treespec.api import DraftTree
     from vllm_treespec.cost.allocate import allocate
-    from vllm_treespec.proposers.graft.sources import match_class_sources
+    from vllm_treespec.proposers.graft.sources import MATCHED_SOURCES
     from vllm_treespec.verify.calibration import AcceptanceTracker
 
-    names = ("suffix", "ngram")
-    by_match_length = by_match_length or rates is not None
-    sources = RetrievalSources(GraftOptions(sources=names), FALLBACK_VOCAB_SIZE)
-    tracker = AcceptanceTracker([n for s in names for n in (match_class_sources(s) if by_match_length else (s,))])
-
-    def source_id(name: str, match_len: int) -> int:
-        return tracker.calibration.source_id(match_class_sources(name)[match_class(match_len)] if by_match_length
-                                             else name)
+    names, source_id = _acceptance_sources(by_match_length or rates is not None)
+    sources = RetrievalSources(GraftOptions(sources=MATCHED_SOURCES), FALLBACK_VOCAB_SIZE)
+    tracker = AcceptanceTracker(names) if rates is None else None  # a fixed table learns nothing
 
     tokens_total = steps = nodes_total = drafting = 0
     seconds = 0.0
@@ -280,14 +287,15 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
             final, held = None, 0
             if found:
                 held = int(walk(proposed, future)[0].sum())
-                priced = tracker.calibrate([proposed], req_ids=[req]) if rates is None else [DraftTree(
+                priced = tracker.calibrate([proposed], req_ids=[req]) if tracker is not None else [DraftTree(
                     proposed.token_ids, proposed.parents,
                     np.array([rates.get(cell, 0.0) for cell in _rate_keys(proposed)], np.float32))]
                 final = allocate(priced, cost, per_request_cap=BUDGET, overhead=overhead).trees[0]
-                tracker.handed([req], [proposed], [final])
-                tracker.scheduled({req: final.token_ids.tolist() if final is not None else []})
+                if tracker is not None:
+                    tracker.handed([req], [proposed], [final])
+                    tracker.scheduled({req: final.token_ids.tolist() if final is not None else []})
             accepted = int(walk(final, future)[0].sum()) if final is not None else 0
-            if found:
+            if found and tracker is not None:
                 tracker.committed([req], [future[: accepted + 1]])
             k = final.num_nodes if final is not None else 0
             if breakdown is not None and found:
@@ -301,7 +309,8 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
             seconds += cost.predict(1 + k, 1) + (overhead if k else 0.0)
             i += accepted + 1
         sources.release({key})
-        tracker.by_request.forget({req})
+        if tracker is not None:
+            tracker.by_request.forget({req})
     return tokens_total / steps, nodes_total / steps, drafting / steps, tokens_total / seconds
 
 
