@@ -21,6 +21,12 @@ class AssembledTree(NamedTuple):
     raw_probs: np.ndarray
 
 
+def empty_assembled() -> AssembledTree:
+    """What :func:`assemble_tree` makes of an empty draft and empty grafts."""
+    return AssembledTree(DraftTree.of_valid(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)),
+                         np.zeros(0, np.int64), np.zeros(0, np.float64))
+
+
 def assemble(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_score: float = 0.0, *,
              calibration: AcceptanceCalibration | None = None, draft_source: int = -1) -> DraftTree:
     """:func:`assemble_tree` without the per-node sources."""
@@ -36,24 +42,29 @@ def assemble_tree(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_
     confidence (the highest any source gives the path), each step's probability passed through ``calibration`` (by
     source) when given; the result is ordered by score, so every prefix is the best subtree.
     """
-    def calibrated(source: int, raw: np.ndarray) -> np.ndarray:
-        return calibration(source, raw) if calibration is not None and source >= 0 else raw
-
     # the draft's own step probabilities (its nodes are in drafting order: parents first)
     log_scores = np.asarray(draft.log_scores, np.float64)
     draft_parents = np.asarray(draft.parents, np.int64)
     step_raw = np.exp(log_scores - np.where(draft_parents < 0, 0.0, log_scores[np.maximum(draft_parents, 0)])) \
         if log_scores.size else log_scores
     # the draft comes first, so a graft's draft node is also its index among all input nodes
-    trees, attach, sources, raws = [(draft.tokens, draft_parents, calibrated(draft_source, step_raw))], [-1], \
+    structure, attach, sources, raws = [(draft.tokens, draft_parents)], [-1], \
         [np.full(len(draft), draft_source, np.int64)], [step_raw]
     for at, tree, *source in grafts:
         source = int(source[0]) if source else -1
-        raw = np.asarray(tree.probs, np.float64)
-        trees.append((tree.token_ids, tree.parents, calibrated(source, raw)))
+        structure.append((tree.token_ids, tree.parents))
         attach.append(-1 if at < 0 else at)
         sources.append(np.full(tree.num_nodes, source, np.int64))
-        raws.append(raw)
+        raws.append(np.asarray(tree.probs, np.float64))
+    all_sources, all_raw = np.concatenate(sources), np.concatenate(raws)
+    scored = all_raw
+    if calibration is not None:  # every node of a known source in one call (each rate is the node's own)
+        known = all_sources >= 0
+        scored = all_raw.copy()
+        if known.any():
+            scored[known] = calibration(all_sources[known], all_raw[known])
+    ends = np.cumsum([r.size for r in raws]).tolist()
+    trees = [(tokens, parents, scored[end - raw.size: end]) for (tokens, parents), raw, end in zip(structure, raws, ends)]
     union = union_trees(trees, attach)
     num_draft = int(union.node_of[: len(draft)].max()) + 1 if len(draft) else 0  # a drafter may repeat a sibling
     score = union.scores
@@ -69,7 +80,7 @@ def assemble_tree(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_
     par = union.parents[chosen]
     out_parents = np.where(par < 0, -1, new_index[np.maximum(par, 0)])
     parent_score = np.where(par < 0, 1.0, score[np.maximum(par, 0)])
-    tree = DraftTree(union.token_ids[chosen], out_parents,
-                     (score[chosen] / np.maximum(parent_score, 1e-30)).astype(np.float32))
+    # parents first by the order above (checked where graft hands its trees over, GraftProposer.propose_trees)
+    tree = DraftTree.of_valid(union.token_ids[chosen], out_parents, score[chosen] / np.maximum(parent_score, 1e-30))
     origin = union.origin[chosen]
-    return AssembledTree(tree, np.concatenate(sources)[origin], np.concatenate(raws)[origin])
+    return AssembledTree(tree, all_sources[origin], all_raw[origin])

@@ -110,6 +110,44 @@ def test_trees_are_valid_deduplicated_and_within_budget(position, budget):
     assert p.stats.trees == 12
 
 
+def test_with_nothing_retrieved_a_tree_is_what_assembling_empty_trees_makes():
+    """The shortcut for a step where no source retrieved anything hands over what growing and grafting empty trees
+    would, and counts the tree alike."""
+    p = proposer(budget=16, adaptive_budget=False)
+    ctx = make_ctx([[7]])  # one token never seen before: no successor row, no match
+    found = p.sources.at_root("r0", np.array([7]), 16, 1)
+    assert not any(t.num_nodes for t in found.values())
+    [tree] = p.propose_trees(ctx)
+    source, draft = p._retrieval_draft(found, 16)
+    assembled = p._assemble("r0", np.array([7]), draft, source, found, 16, 0.0)
+    expected = DraftTree(assembled.tree.token_ids, assembled.tree.parents, assembled.raw_probs.astype(np.float32),
+                         assembled.sources)
+    for got, want in ((tree.token_ids, expected.token_ids), (tree.parents, expected.parents),
+                      (tree.node_probs, expected.node_probs), (tree.node_sources, expected.node_sources)):
+        assert got.dtype == want.dtype and got.shape == want.shape == (0,)
+    assert p.stats.trees == 1 and p.stats.pruned == int(draft.pruned_at is not None) and not p.stats.draft_source
+
+
+@pytest.mark.parametrize("learnt", [False, True])
+def test_the_root_children_shortcut_ranks_sources_as_path_confidence_does(learnt):
+    """At a first checkpoint of depth 1, calibrating every source's root children in one call gives each source the
+    confidence the path-confidence rule gives it (so the same draft source), learnt calibration or raw numbers."""
+    rng = np.random.default_rng(5)
+    p = proposer(checkpoints=(1, 2, 6), thresholds=(0.0, 0.4, 0.9), calibrate_acceptance=learnt)
+    if learnt:
+        n = len(p.acceptance_sources)
+        p.calibration.observe(rng.integers(0, n, 500), rng.random(500), rng.random(500) < 0.4,
+                              rng.integers(1, 6, 500))
+    for _ in range(20):
+        found = {}
+        for name in p.sources.names:
+            size = int(rng.integers(0, 6))
+            parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, size)], np.int32)[:size]
+            found[name] = RetrievedTree(rng.integers(0, VOCAB, size), parents,
+                                        rng.random(size).astype(np.float32), int(rng.integers(1, 9)))
+        assert p._root_confidences(found) == pytest.approx(p._checkpoint_confidences(found), abs=0, rel=0)
+
+
 def test_partial_prefill_rows_get_no_tree_and_verify_budget_caps():
     p = proposer(budget=32, adaptive_budget=False)
     ctx = make_ctx([[1, 2, 3, 1, 2], [4, 5]], sampled=[[2], []], max_nodes=3)

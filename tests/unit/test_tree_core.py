@@ -22,6 +22,19 @@ def test_draft_tree_validation_names_the_problem():
     assert t.path_to(3) == [1, 3]
 
 
+def test_a_tree_built_from_valid_arrays_skips_the_checks_but_not_the_dtypes():
+    """``of_valid`` (re-priced and trimmed trees) stores what the checked constructor stores, in the same dtypes."""
+    token_ids, parents = np.array([5, 6, 7], np.int32), np.array([-1, -1, 0], np.int64)
+    probs, sources = np.array([0.5, 0.25, 0.125]), np.array([0, 1, 0], np.int64)
+    checked, trusted = DraftTree(token_ids, parents, probs, sources), DraftTree.of_valid(token_ids, parents, probs,
+                                                                                          sources)
+    for name in ("token_ids", "parents", "node_probs", "node_sources"):
+        a, b = getattr(checked, name), getattr(trusted, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert DraftTree.of_valid(token_ids, parents).node_probs is None
+    assert checked.truncate(2).parents.dtype == np.int32 and checked.truncate(2).num_nodes == 2
+
+
 def test_layout_matches_ancestor_walk():
     rng = np.random.default_rng(0)
     trees = [random_tree(rng, n) for n in (1, 5, 17, 64)]

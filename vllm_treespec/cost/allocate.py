@@ -18,7 +18,7 @@ measured cost added to the step, against plain decoding's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 from numba import njit
@@ -51,6 +51,17 @@ def _predict(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, excess: np.n
     return np.asarray(seconds, np.float64).copy()
 
 
+#: no cap
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _zero_then_cumsum(values: np.ndarray) -> np.ndarray:
+    """0 followed by the running sums of ``values`` (float64)."""
+    out = np.zeros(values.size + 1)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
 def path_probs(tree: DraftTree) -> np.ndarray:
     """Acceptance probability of each node's whole path (float64, non-increasing from parent to child)."""
     if tree.node_probs is None:
@@ -62,7 +73,15 @@ def path_products(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     """Per node (topological order), the product of ``probs`` along its path from the root, each factor clipped to
     [0, 1] (NaN = 0)."""
     # fresh C arrays of fixed types: one compiled kernel for every caller
-    return _path_products(np.require(parents, np.int64, ("C", "W")), np.require(probs, np.float64, ("C", "W")))
+    return _path_products(_fresh(parents, np.int64), _fresh(probs, np.float64))
+
+
+def _fresh(values: Any, dtype: type) -> np.ndarray:
+    """``values`` as a C-contiguous writable array of ``dtype`` (``np.require``'s result at a fifth of its cost)."""
+    array = np.asarray(values)
+    if array.dtype != dtype or not (array.flags.c_contiguous and array.flags.writeable):
+        array = array.astype(dtype)  # a fresh C-ordered copy
+    return array
 
 
 @njit(cache=True)
@@ -89,6 +108,11 @@ def trim(tree: DraftTree, keep: np.ndarray) -> DraftTree:
         raise ValueError(f"keep has shape {keep.shape} for {tree.num_nodes} nodes")
     if not is_ancestor_closed(tree, keep):
         raise ValueError("the kept nodes are not ancestor-closed")
+    return _trim_closed(tree, keep)
+
+
+def _trim_closed(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """:func:`trim` of a ``keep`` (bool, one per node) known to be ancestor-closed."""
     if keep.all():
         return tree
     new_index = np.cumsum(keep) - 1
@@ -96,7 +120,7 @@ def trim(tree: DraftTree, keep: np.ndarray) -> DraftTree:
     new_parents = np.where(parents < 0, -1, new_index[np.maximum(parents, 0)]).astype(np.int32)
     probs = None if tree.node_probs is None else tree.node_probs[keep]
     sources = None if tree.node_sources is None else tree.node_sources[keep]
-    return DraftTree(tree.token_ids[keep], new_parents, probs, sources)
+    return DraftTree.of_valid(tree.token_ids[keep], new_parents, probs, sources)
 
 
 @dataclass
@@ -147,7 +171,7 @@ def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: i
     plain_tokens = base_tokens if plain_tokens is None else plain_tokens
     seconds = _predict(cost, base_tokens + k_all, num_reqs, excess, plain_tokens, request_excess)
     seconds[1:] += overhead
-    expected = base_expected + np.concatenate([[0.0], np.cumsum(gains)])
+    expected = base_expected + _zero_then_cumsum(gains)
     rates = expected / np.maximum(seconds, 1e-12)
     plain = float(rates[0])
     if max_extra_seconds is not None:
@@ -192,8 +216,10 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     num_reqs = n if num_reqs is None else int(num_reqs)
     base_tokens = num_reqs if base_tokens is None else int(base_tokens)
     base_expected = float(num_reqs if base_expected is None else base_expected)
-    caps = np.full(n, np.iinfo(np.int64).max, np.int64) if per_request_cap is None else (
-        np.broadcast_to(np.asarray(per_request_cap, np.int64), (n,)).copy())
+    if per_request_cap is None or isinstance(per_request_cap, (int, np.integer)):
+        caps = np.full(n, INT64_MAX if per_request_cap is None else int(per_request_cap), np.int64)
+    else:
+        caps = np.broadcast_to(np.asarray(per_request_cap, np.int64), (n,)).copy()
     fixed = 0
     probs: list[np.ndarray] = []
     for i, tree in enumerate(trees):
@@ -204,7 +230,9 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)]) if n else np.zeros(0, np.int64)
     node = np.concatenate([np.arange(p.size) for p in probs]) if n else np.zeros(0, np.int64)
     p_all = np.concatenate(probs) if n else np.zeros(0)
-    per_request = None if row_excess is None else np.broadcast_to(np.asarray(row_excess, np.float64), (n,))
+    per_request = None if row_excess is None else np.asarray(row_excess, np.float64)
+    if per_request is not None and per_request.shape != (n,):
+        per_request = np.broadcast_to(per_request, (n,))
     fixed_excess = 0.0 if per_request is None else sum(
         float(per_request[i]) * min(t.num_nodes, int(caps[i])) for i, t in enumerate(trees)
         if t is not None and t.node_probs is None)
@@ -217,28 +245,28 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     value = p_all if per_request is None else p_all / _row_seconds(cost, num_reqs, base_tokens + fixed, base_excess,
                                                                    per_request, request_excess)[req]
     order = np.lexsort((node, req, -value))
-    counts = np.zeros(n, np.int64)
-    room = np.iinfo(np.int64).max if batch_cap is None else max(int(batch_cap) - fixed, 0)
+    counts, cap_of, req_of, positive = [0] * n, caps.tolist(), req.tolist(), (p_all > 0).tolist()
+    room = INT64_MAX if batch_cap is None else max(int(batch_cap) - fixed, 0)
     candidates = []
-    for j in order.tolist():
-        if len(candidates) >= room or p_all[j] <= 0:
+    for j in order.tolist():  # on Python ints: NumPy's per-element access cost more than the rest of the loop
+        if len(candidates) >= room or not positive[j]:
             break
-        i = int(req[j])
-        if counts[i] < caps[i]:
+        i = req_of[j]
+        if counts[i] < cap_of[i]:
             counts[i] += 1
             candidates.append(j)
     candidates = np.array(candidates, np.int64)
     gains = p_all[candidates] if candidates.size else np.zeros(0)
     excess = None
     if per_request is not None:
-        excess = base_excess + np.concatenate([[0.0], np.cumsum(per_request[req[candidates]])])
+        excess = base_excess + _zero_then_cumsum(per_request[req[candidates]])
     k, expected, seconds, plain = best_prefix(gains, cost, num_reqs, base_tokens + fixed, base_expected, overhead,
                                               min_gain, max_extra_seconds, explore, excess, base_tokens,
                                               request_excess)
     admitted = candidates[:k]
     out: list[DraftTree | None] = []
     num_nodes = np.zeros(n, np.int64)
-    offsets = np.concatenate([[0], np.cumsum([p.size for p in probs])]).astype(np.int64)
+    offsets = np.cumsum([0] + [p.size for p in probs]).tolist()
     for i, tree in enumerate(trees):
         if tree is None:
             out.append(None)
@@ -252,7 +280,7 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
         mine = admitted[req[admitted] == i] - offsets[i]
         keep[mine] = True
         num_nodes[i] = int(keep.sum())
-        out.append(trim(tree, keep) if num_nodes[i] else None)
+        out.append(_trim_closed(tree, keep) if num_nodes[i] else None)  # best first keeps parents first
     return Allocation(out, num_nodes, expected, seconds, plain, gains, expected - base_expected)
 
 

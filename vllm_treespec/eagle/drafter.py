@@ -318,30 +318,36 @@ class EagleDrafter:
     def _segments(self, ctx: ProposeContext) -> list[tuple[int, Any, np.ndarray, np.ndarray]]:
         """(batch row, aux hidden rows [n, n_aux * H] (a copy), tokens, positions) of every request's newly
         committed rows. Runs on every step, drafting or not: one gather for the whole batch (a slice where the rows
-        are consecutive, as in a plain decode step) and numpy index arithmetic instead of a loop over requests."""
+        are consecutive, as in a plain decode step) and one split; the per-request arithmetic on Python ints, which
+        cost a third of what NumPy's per-call overhead did at 1-16 requests."""
         num_reqs = ctx.num_reqs
-        first = np.asarray(ctx.hidden_row_start[:num_reqs], np.int64)
-        counts = np.asarray(ctx.hidden_row_index[:num_reqs], np.int64) - first + 1
-        rows = np.flatnonzero(counts > 0)
-        if not len(rows):
+        first = ctx.hidden_row_start[:num_reqs].tolist()
+        last = ctx.hidden_row_index[:num_reqs].tolist()
+        start = ctx.hidden_position_start[:num_reqs].tolist()
+        picked: list[tuple[int, int]] = []  # (batch row, committed rows)
+        consecutive, expected = True, None  # expected: the row after the last picked request's
+        for i in range(num_reqs):
+            count = last[i] - first[i] + 1
+            if count <= 0:
+                continue
+            consecutive = consecutive and expected in (None, first[i])
+            expected = first[i] + count
+            picked.append((i, count))
+        if not picked:
             return []
-        counts = counts[rows]
-        ends = np.cumsum(counts)
-        within = np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)  # each row's index in its segment
-        source = np.repeat(first[rows], counts) + within  # the rows in the step's hidden states
-        positions = np.repeat(np.asarray(ctx.hidden_position_start[:num_reqs], np.int64)[rows], counts) + within
-        tokens = ctx.token_ids[np.repeat(rows, counts), positions + 1].astype(np.int64)
         layers = ctx.aux_hidden_states[: len(self.aux_layers)]
-        if bool((np.diff(source) == 1).all()):  # consecutive rows (a plain decode step): one slice per layer
-            low = int(source[0])
-            aux = torch.cat([a[low: low + len(source)] for a in layers], -1)
+        if consecutive:  # a plain decode step: one slice per layer
+            low = first[picked[0][0]]
+            aux = torch.cat([a[low: expected] for a in layers], -1)
         else:
-            index = torch.from_numpy(source)
+            index = torch.from_numpy(np.concatenate([np.arange(first[i], first[i] + count, dtype=np.int64)
+                                                     for i, count in picked]))
             aux = torch.cat([a.index_select(0, index) for a in layers], -1)
-        pieces = aux.split(counts.tolist())  # one call for every request's view, not one slice each
-        starts = (ends - counts).tolist()
-        return [(i, piece, tokens[a:b], positions[a:b])
-                for i, piece, a, b in zip(rows.tolist(), pieces, starts, ends.tolist())]
+        pieces = aux.split([count for _, count in picked])  # one call for every request's view, not one slice each
+        token_ids = ctx.token_ids
+        return [(i, piece, token_ids[i, start[i] + 1: start[i] + 1 + count].astype(np.int64),
+                 np.arange(start[i], start[i] + count, dtype=np.int64))
+                for (i, count), piece in zip(picked, pieces)]
 
     def _write_segments(self, ctx: ProposeContext, current: list[tuple[int, Any, np.ndarray, np.ndarray]],
                         asked: Sequence[int] = (), requests: set[str] | None = None):
