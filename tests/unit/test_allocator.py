@@ -93,6 +93,24 @@ def test_steep_curve_admits_nothing():
     assert a.rate == pytest.approx(a.plain_rate) and a.seconds == pytest.approx(0.120)
 
 
+@pytest.mark.parametrize("with_context", [False, True])
+def test_trees_without_nodes_price_the_plain_step_as_trees_that_admit_none(with_context):
+    """A step whose drafter found nothing is priced as a step whose nodes all lost: the same plain step."""
+    empty = DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
+    cost, row_excess = MIDDLE, None
+    if with_context:  # rows priced by their requests' sequence lengths
+        cost = StepCostModel(PiecewiseLinear([1, 2, 4, 8], [0.06, 0.066, 0.08, 0.11]), per_context=1e-5)
+        row_excess = np.array([300.0, 500.0, 0.0])
+    nothing = allocate([empty, None, empty], cost, overhead=0.002, row_excess=row_excess)
+    lost = allocate([empty, None, star([1e-9])], cost, overhead=0.002, row_excess=row_excess)
+    assert lost.num_nodes.tolist() == [0, 0, 0] and lost.gains.size == 1  # its node was a candidate, and lost
+    assert nothing.trees == lost.trees == [None, None, None] and nothing.num_nodes.tolist() == [0, 0, 0]
+    assert nothing.gains.size == 0 and nothing.admitted_gain == lost.admitted_gain == 0.0
+    for field in ("expected_tokens", "seconds", "plain_rate"):
+        assert getattr(nothing, field) == getattr(lost, field)
+    assert nothing.expected_tokens == 3.0
+
+
 def test_zero_probability_nodes_are_never_admitted():
     a = allocate([star([0.5, 0.0])], FLAT)
     assert a.num_nodes.tolist() == [1]

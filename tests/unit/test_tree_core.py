@@ -14,6 +14,13 @@ def test_draft_tree_validation_names_the_problem():
         DraftTree([1, 2], [0, -1])
     with pytest.raises(DraftTreeError, match="nodes"):
         DraftTree([1, 2, 3], [-1, 0])
+    for parents in ([0], [-1, 1], [-1, -2], [-1, 0, 3]):  # a parent at or after its node, or below the root
+        with pytest.raises(DraftTreeError, match="parents"):
+            DraftTree(list(range(len(parents))), parents)
+    with pytest.raises(DraftTreeError, match="non-negative"):
+        DraftTree([1, -5], [-1, 0])
+    with pytest.raises(DraftTreeError, match="parents"):  # the parents' problem is named first
+        DraftTree([-1, 2], [-1, 1])
     t = DraftTree([5, 6, 7, 8], [-1, -1, 0, 1])
     assert t.depths().tolist() == [1, 1, 2, 2]
     assert t.first_child_chain().token_ids.tolist() == [5, 7]

@@ -239,6 +239,13 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
     # each request's own row: its sequence, read once whatever its rows (E_R)
     request_excess = None if per_request is None else float(per_request.sum())
     base_excess = 0.0 if per_request is None else request_excess + fixed_excess
+    if all(tree is None or (tree.node_probs is not None and not tree.num_nodes) for tree in trees):
+        # nothing to admit (a step whose drafter found nothing): the plain step, priced as below, without the rest
+        k, expected, seconds, plain = best_prefix(np.zeros(0), cost, num_reqs, base_tokens, base_expected, overhead,
+                                                  min_gain, max_extra_seconds, explore,
+                                                  None if per_request is None else np.array([base_excess]),
+                                                  base_tokens, request_excess)
+        return Allocation([None] * n, np.zeros(n, np.int64), expected, seconds, plain, np.zeros(0), 0.0)
     # best first by gain per second a node adds (by gain alone when every row costs the same); equal keys: lower
     # request, then parent before child. Within a request every node costs the same, so the order keeps parents
     # before children and any prefix is ancestor-closed.
