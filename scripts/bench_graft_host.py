@@ -8,6 +8,12 @@ part that does not depend on the model or the device. Best of ``--repeats`` pass
 ``--profile`` adds cProfile's costliest functions.
 
     python scripts/bench_graft_host.py [--prompts "sharegpt[6913:6921]"] [--budget 32] [--repeats 3] [--profile]
+    python scripts/bench_graft_host.py --digest [--prompts ...]
+
+``--digest`` times nothing: it prints one SHA-256 of every tree graft proposes over the replay (tokens, parents,
+numbers, sources and their dtypes) and of its statistics, at its defaults and with the checkpoints and graft position
+changed, each with an acceptance calibration taught seeded made-up outcomes — run it before and after a change to
+graft's host code that must not change a tree.
 """
 
 from __future__ import annotations
@@ -47,6 +53,42 @@ def replay(proposer, streams: list[np.ndarray], budget: int, stride: int) -> int
     return calls
 
 
+#: graft's options the digest replays under (its defaults, and the branches they leave out)
+DIGEST_OPTIONS = ({}, {"checkpoints": (2, 4, 6), "thresholds": (0.0, 0.4, 0.9)}, {"graft_position": "both"})
+
+
+def tree_digest(streams: list[np.ndarray], budget: int, stride: int, vocab_size: int = 49152) -> str:
+    """SHA-256 of every tree graft proposes over ``streams`` and of its statistics (see the module docstring)."""
+    import hashlib
+    import json
+
+    from vllm_treespec.proposers.graft import GraftOptions, GraftProposer
+
+    digest = hashlib.sha256()
+    for options in DIGEST_OPTIONS:
+        proposer = GraftProposer(None, GraftOptions(eagle_checkpoint="none", budget=budget, **options),
+                                 vocab_size=vocab_size)
+        rng = np.random.default_rng(0)  # outcomes that make the calibrated rates differ from the raw numbers
+        num_sources = len(proposer.acceptance_sources)
+        proposer.calibration.observe(rng.integers(0, num_sources, 3000), rng.random(3000), rng.random(3000) < 0.4,
+                                     rng.integers(1, 6, 3000))
+        original = proposer.propose_trees
+
+        def hashed(ctx, original=original):
+            trees = original(ctx)
+            for tree in trees:
+                if tree is not None:
+                    for array in (tree.token_ids, tree.parents, tree.node_probs, tree.node_sources):
+                        digest.update(b"-" if array is None else np.ascontiguousarray(array).tobytes()
+                                      + str(array.dtype).encode())
+            return trees
+
+        proposer.propose_trees = hashed
+        replay(proposer, streams, budget, stride)
+        digest.update(json.dumps(vars(proposer.stats), sort_keys=True).encode())
+    return digest.hexdigest()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default="sharegpt[6913:6921]")
@@ -55,7 +97,12 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=2, help="tokens committed per step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--digest", action="store_true", help="print a digest of every proposed tree; time nothing")
     args = parser.parse_args()
+    if args.digest:
+        print(f"graft trees digest: {tree_digest(token_streams(args.prompts, args.max_tokens), args.budget, args.stride)}"
+              f" ({args.prompts}, budget {args.budget}, stride {args.stride})")
+        return
 
     from vllm_treespec.proposers.graft import GraftOptions, GraftProposer
 

@@ -39,3 +39,13 @@ def test_replay_drives_graft_to_trees():
     loop = np.tile(np.arange(1, 9, dtype=np.int64), 6)  # a repeating stream: retrieval finds continuations
     assert script.replay(proposer, [loop], budget=8, stride=2) == 12
     assert sum(t is not None and t.num_nodes > 0 for t in trees) >= 10
+
+
+def test_the_tree_digest_changes_with_the_trees_and_only_with_them():
+    """The digest is the same on a second replay and differs when one tree does."""
+    script = load_script("bench_graft_host")
+    loop = np.tile(np.arange(1, 9, dtype=np.int64), 6)
+    streams = [loop, np.arange(1, 40, dtype=np.int64) % 13]
+    first = script.tree_digest(streams, budget=8, stride=2, vocab_size=64)
+    assert script.tree_digest(streams, budget=8, stride=2, vocab_size=64) == first
+    assert script.tree_digest(streams, budget=6, stride=2, vocab_size=64) != first
