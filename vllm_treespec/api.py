@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
-from numba import njit
 
 from vllm_treespec.registry import (ENTRY_POINT_GROUP, load_proposer_class, register_proposer,  # noqa: F401 - public API
                                     registered_proposers)
@@ -44,21 +43,6 @@ ROOT = -1
 
 class DraftTreeError(ValueError):
     """A draft tree that violates the topological-order contract."""
-
-
-_BAD_PARENT, _NEGATIVE_TOKEN = 1, 2
-
-
-@njit(cache=True)
-def _tree_problem(tokens, parents):  # pragma: no cover - compiled
-    """0, or what is wrong with a tree's arrays (a parent outside -1 <= parents[i] < i first, then a negative
-    token): one pass, where the NumPy checks cost ~30 us a tree — every proposer's tree, every step."""
-    negative = False
-    for i in range(parents.shape[0]):
-        if parents[i] < -1 or parents[i] >= i:
-            return _BAD_PARENT
-        negative = negative or tokens[i] < 0
-    return _NEGATIVE_TOKEN if negative else 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,12 +73,16 @@ class DraftTree:
         object.__setattr__(self, "parents", parents)
         if tokens.shape != parents.shape:
             raise DraftTreeError(f"token_ids has {tokens.size} nodes but parents has {parents.size}")
-        problem = _tree_problem(tokens, parents) if tokens.size else 0
-        if problem == _BAD_PARENT:
+        # numba only once a tree is built: imported with this module, it broke vLLM's CPU worker start-up where the
+        # plugin is off (an unsupported vLLM: patches.triton_dispatcher is not applied)
+        from vllm_treespec.tree_checks import BAD_PARENT, NEGATIVE_TOKEN, tree_problem
+
+        problem = tree_problem(tokens, parents) if tokens.size else 0
+        if problem == BAD_PARENT:
             raise DraftTreeError(
                 "parents must satisfy -1 <= parents[i] < i (topological order, first node a child of the root); "
                 f"got {parents.tolist()}")
-        if problem == _NEGATIVE_TOKEN:
+        if problem == NEGATIVE_TOKEN:
             raise DraftTreeError("token_ids must be non-negative")
         if self.node_probs is not None:
             probs = np.ascontiguousarray(self.node_probs, dtype=np.float32).reshape(-1)

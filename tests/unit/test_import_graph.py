@@ -117,3 +117,15 @@ def test_engine_code_never_imports_tooling():
     for module, targets in import_graph().items():
         if not module.startswith(tooling):
             assert not [t for t in targets if t.startswith(tooling)], module
+
+
+def test_the_plugin_and_the_public_api_import_no_numba():
+    """Where the plugin is off (an unsupported vLLM) its numba-sensitive patch of vLLM's Triton kernel scan is not
+    applied, and numba imported in the process then stops vLLM's CPU worker from starting: the entry point and the
+    public API must load without it (in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = "import sys, vllm_treespec.plugin, vllm_treespec.api; print(sorted({'numba', 'llvmlite'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
