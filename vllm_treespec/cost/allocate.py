@@ -73,10 +73,10 @@ def path_products(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     """Per node (topological order), the product of ``probs`` along its path from the root, each factor clipped to
     [0, 1] (NaN = 0)."""
     # fresh C arrays of fixed types: one compiled kernel for every caller
-    return _path_products(_fresh(parents, np.int64), _fresh(probs, np.float64))
+    return _path_products(fresh_array(parents, np.int64), fresh_array(probs, np.float64))
 
 
-def _fresh(values: Any, dtype: type) -> np.ndarray:
+def fresh_array(values: Any, dtype: type) -> np.ndarray:
     """``values`` as a C-contiguous writable array of ``dtype`` (``np.require``'s result at a fifth of its cost)."""
     array = np.asarray(values)
     if array.dtype != dtype or not (array.flags.c_contiguous and array.flags.writeable):
@@ -227,9 +227,6 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
             fixed += min(tree.num_nodes, int(caps[i]))
         probs.append(path_probs(tree) if tree is not None and tree.node_probs is not None and tree.num_nodes
                      else np.zeros(0))
-    req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)]) if n else np.zeros(0, np.int64)
-    node = np.concatenate([np.arange(p.size) for p in probs]) if n else np.zeros(0, np.int64)
-    p_all = np.concatenate(probs) if n else np.zeros(0)
     per_request = None if row_excess is None else np.asarray(row_excess, np.float64)
     if per_request is not None and per_request.shape != (n,):
         per_request = np.broadcast_to(per_request, (n,))
@@ -246,6 +243,9 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
                                                   None if per_request is None else np.array([base_excess]),
                                                   base_tokens, request_excess)
         return Allocation([None] * n, np.zeros(n, np.int64), expected, seconds, plain, np.zeros(0), 0.0)
+    req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)]) if n else np.zeros(0, np.int64)
+    node = np.concatenate([np.arange(p.size) for p in probs]) if n else np.zeros(0, np.int64)
+    p_all = np.concatenate(probs) if n else np.zeros(0)
     # best first by gain per second a node adds (by gain alone when every row costs the same); equal keys: lower
     # request, then parent before child. Within a request every node costs the same, so the order keeps parents
     # before children and any prefix is ancestor-closed.

@@ -37,7 +37,7 @@ import numpy as np
 from numba import njit
 
 from vllm_treespec.api import DraftTree
-from vllm_treespec.cost.allocate import path_products
+from vllm_treespec.cost.allocate import fresh_array, path_products
 
 #: raw-confidence bins (uniform over a node's probability given its parent)
 ACCEPTANCE_BINS = 10
@@ -78,11 +78,9 @@ def _kernel_array(values: Any, dtype: type, shape: tuple) -> np.ndarray:
         array.fill(values)
         return array
     array = np.asarray(values, dtype)
-    if array.shape == shape and array.flags.c_contiguous and array.flags.writeable:
-        return array.reshape(-1)
     if array.shape != shape:
-        array = np.broadcast_to(array, shape)
-    return np.require(array, dtype, ("C", "W")).reshape(-1)
+        return np.require(np.broadcast_to(array, shape), dtype, ("C", "W")).reshape(-1)
+    return fresh_array(array, dtype).reshape(-1)
 
 
 @njit(cache=True)
