@@ -306,8 +306,9 @@ def run_step(verifier, a_targets: list[int]):
         seen.append(lg.clone())
         return vllm_greedy(lg, metadata)
 
-    output = verifier.sample(original, logits.clone(), spec_metadata([[10, 11, 12, 13, 14], [20, 21]]))
-    assert len(seen) == 1 and torch.equal(seen[0], logits)
+    metadata = spec_metadata([[10, 11, 12, 13, 14], [20, 21]])
+    output = verifier.sample(original, logits.clone(), metadata)
+    assert len(seen) == 1 and torch.equal(seen[0], logits[metadata.bonus_logits_indices.long()])  # bonus rows only
     return output.sampled_token_ids.tolist()
 
 
@@ -425,8 +426,9 @@ def test_proposer_gets_the_targets_top_k_when_it_asks():
 
 
 def test_greedy_chains_are_accepted_by_the_verifier_as_vllm_would():
-    """A step whose drafts are greedy chains only (b): vLLM samples each request's first row, the verifier accepts
-    the chain by argmax, giving what vLLM's greedy rejection sampler gives; no tree step is counted."""
+    """A step whose drafts are greedy chains only (b): vLLM's plain sampler samples each request's bonus row, the
+    verifier accepts the chain by argmax, giving what vLLM's greedy rejection sampler gives; no tree step is
+    counted."""
     seen = []
     for b_targets, want in (([20, 21, 5], [20, 21, 5]), ([20, 8, 5], [20, 8]), ([3, 21, 5], [3])):
         verifier = make_verifier(trees={"b": CHAIN_B})
@@ -437,7 +439,7 @@ def test_greedy_chains_are_accepted_by_the_verifier_as_vllm_would():
         output = verifier.sample(lambda lg, md: seen.append(md) or vllm_greedy(lg, md), logits, metadata)
         assert output.sampled_token_ids.tolist() == vllm_greedy(logits, metadata).sampled_token_ids.tolist()
         assert output.sampled_token_ids[1].tolist() == want + [-1] * (3 - len(want))
-        assert seen[-1].num_draft_tokens == [0, 0] and verifier.stats["tree_steps"] == 0
+        assert seen[-1] is None and verifier.stats["tree_steps"] == 0
 
 
 def test_a_step_without_drafts_takes_vllms_plain_sampler():
@@ -654,8 +656,8 @@ def greedy_sampling_metadata(num_reqs: int, max_num_logprobs: int | None = None)
 
 
 def test_a_step_whose_drafts_are_all_trees_asks_vllm_for_each_requests_first_row_only():
-    """Every drafted request is a tree request: vLLM's rejection sampler gets the step without drafts (its output
-    keeps its width), and the tree rows are written over its result as before."""
+    """Every drafted request is a tree request: vLLM's plain sampler gets each request's bonus row, its tokens are
+    widened to the step's width, and the tree rows are written over that as before."""
     targets, row_a, _, _, _ = CASES["n1 then n4"]
     verifier = make_verifier(trees={"a": T})
     verifier.propose([[9], [5]])
@@ -664,13 +666,13 @@ def test_a_step_whose_drafts_are_all_trees_asks_vllm_for_each_requests_first_row
     seen = []
 
     def original(lg, md):
-        seen.append(md)
-        return SimpleNamespace(sampled_token_ids=torch.tensor([[30, -1, -1, -1, -1, -1], [7, -1, -1, -1, -1, -1]]))
+        seen.append((lg.clone(), md))
+        return SimpleNamespace(sampled_token_ids=torch.tensor([[30], [7]]))
 
-    output = verifier.sample(original, one_hot_logits(targets + [7]), metadata)
-    [asked] = seen
-    assert asked.num_draft_tokens == [0, 0] and asked.max_spec_len == 5
-    assert asked.bonus_logits_indices.tolist() == [5, 6] and asked.target_logits_indices.numel() == 0
+    logits = one_hot_logits(targets + [7])
+    output = verifier.sample(original, logits, metadata)
+    [(asked_logits, asked_metadata)] = seen
+    assert asked_metadata is None and torch.equal(asked_logits, logits[[5, 6]])
     assert output.sampled_token_ids.tolist() == [row_a, [7, -1, -1, -1, -1, -1]]
 
 
@@ -689,19 +691,23 @@ def cpu_kernels(cpu_expand_fix):
         current_platform.register_triton_kernel_overrides()
 
 
-def test_vllms_rejection_sampler_samples_first_rows_only_without_drafts(cpu_kernels):
-    """What vLLM's own sampler makes of :func:`without_drafts`: each request's bonus row sampled into column 0, the
-    rest placeholders, at the width of the step with drafts."""
+def test_bonus_rows_sample_as_vllms_rejection_sampler_samples_a_step_without_drafts(cpu_kernels):
+    """:func:`sample_bonus_rows` (vLLM's plain sampler on each request's bonus row) gives what vLLM's rejection
+    sampler gives when it verifies no draft: each bonus row's token in column 0, the rest placeholders, at the width
+    of the step with drafts."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_treespec.verify.accept import without_drafts
+    from vllm_treespec.verify.accept import sample_bonus_rows
 
     drafts = [[3, 4, 5], [], [6]]
     metadata = spec_metadata(drafts)
     logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(0))
-    out = RejectionSampler(Sampler())(without_drafts(metadata), None, logits, greedy_sampling_metadata(3))
-    bonus = logits[metadata.bonus_logits_indices.long()].argmax(dim=-1)
-    assert out.sampled_token_ids.shape == (3, 4)
-    assert out.sampled_token_ids[:, 0].tolist() == bonus.tolist()
-    assert (out.sampled_token_ids[:, 1:] == -1).all()
+    sampling = greedy_sampling_metadata(3)
+    out = sample_bonus_rows(lambda lg, md: Sampler()(lg, sampling), logits, metadata)
+    bonus_logits = logits[metadata.bonus_logits_indices.long()]
+    vllms = RejectionSampler(Sampler())(spec_metadata([[], [], []]), None, bonus_logits.clone(), sampling)
+    assert out.sampled_token_ids.shape == (3, 4) and out.sampled_token_ids.dtype == torch.int32
+    assert out.sampled_token_ids[:, :1].tolist() == vllms.sampled_token_ids.tolist()
+    assert out.sampled_token_ids[:, 0].tolist() == bonus_logits.argmax(dim=-1).tolist()
+    assert (out.sampled_token_ids[:, 1:] == -1).all() and out.logprobs_tensors is None

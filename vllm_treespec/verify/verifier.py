@@ -20,7 +20,7 @@ from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tree import TreeBatch
 from vllm_treespec.verify.accept import (accept, accept_chains, argmax_rows, chain_target_rows,
                                          chains_the_verifier_accepts, greedy_mask, logits_rows, read_logits,
-                                         verification_results, without_drafts, write_chain_form)
+                                         sample_bonus_rows, verification_results, write_chain_form)
 from vllm_treespec.verify.attach import (build_batch, committable_depths, cut_to_depth, flatten_trees, match_scheduled,
                                          rewrite_positions)
 from vllm_treespec.verify.calibration import AcceptanceTracker
@@ -316,8 +316,8 @@ class TreeVerifier:
             return original(logits, None)
         input_batch = self.runner.input_batch
         # Where every drafted request is a tree or a greedy chain and no request needs vLLM's processing of draft
-        # rows, the verifier accepts them itself and vLLM's rejection sampler samples only each request's first row
-        # (without_drafts): its float32 copy, clone and argmax of every draft row cost more than the acceptance
+        # rows, the verifier accepts them itself and vLLM's plain sampler samples each request's bonus row
+        # (sample_bonus_rows): the rejection sampler's work on the draft rows would be thrown away
         chains = chains_the_verifier_accepts(
             metadata.num_draft_tokens, batch.rows if batch is not None else np.zeros(0, np.int64),
             input_batch.req_ids, self.runner.requests, input_batch.sampling_metadata)
@@ -340,7 +340,7 @@ class TreeVerifier:
             self.timer.add("accept", seconds)
             self._tree_seconds += seconds
 
-        output = original(logits, without_drafts(metadata) if fast else metadata)
+        output = sample_bonus_rows(original, logits, metadata) if fast else original(logits, metadata)
         if fast:
             accept_chains(output.sampled_token_ids, chains, metadata.num_draft_tokens, metadata.draft_token_ids,
                           chain_argmax)
