@@ -655,7 +655,7 @@ def greedy_sampling_metadata(num_reqs: int, max_num_logprobs: int | None = None)
         allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
 
 
-def test_a_step_whose_drafts_are_all_trees_asks_vllm_for_each_requests_first_row_only():
+def test_a_step_whose_drafts_are_all_trees_asks_vllms_plain_sampler_for_each_requests_bonus_row():
     """Every drafted request is a tree request: vLLM's plain sampler gets each request's bonus row, its tokens are
     widened to the step's width, and the tree rows are written over that as before."""
     targets, row_a, _, _, _ = CASES["n1 then n4"]

@@ -243,9 +243,10 @@ def allocate(trees: Sequence[DraftTree | None], cost: StepCost, *, num_reqs: int
                                                   None if per_request is None else np.array([base_excess]),
                                                   base_tokens, request_excess)
         return Allocation([None] * n, np.zeros(n, np.int64), expected, seconds, plain, np.zeros(0), 0.0)
-    req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)]) if n else np.zeros(0, np.int64)
-    node = np.concatenate([np.arange(p.size) for p in probs]) if n else np.zeros(0, np.int64)
-    p_all = np.concatenate(probs) if n else np.zeros(0)
+    # past the shortcut some tree holds a node, so n >= 1 and every concatenation has arrays to join
+    req = np.concatenate([np.full(p.size, i, np.int64) for i, p in enumerate(probs)])
+    node = np.concatenate([np.arange(p.size) for p in probs])
+    p_all = np.concatenate(probs)
     # best first by gain per second a node adds (by gain alone when every row costs the same); equal keys: lower
     # request, then parent before child. Within a request every node costs the same, so the order keeps parents
     # before children and any prefix is ancestor-closed.
