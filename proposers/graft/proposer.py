@@ -142,13 +142,13 @@ class GraftProposer(TreeProposer):
         and its call (``model_draft_max_batch``, if given, still caps the batch); else up to
         ``model_draft_max_batch`` requests.
         What the retrieval-only trees are worth is learnt on the head's own steps, and only there
-        (:meth:`retrieval_alternatives`): the rival is priced on the text the head's trees were. Learnt also from the
-        steps the head sat out, it was priced on other text, and at batch 1 in bf16 the head drafted on 10-57% of the
-        steps (~9 ms a call, twice the nodes verified) for no more tokens a step than graft without a head: 8% slower on
-        the tuning prompts; priced on its own steps, it drafts on its probes alone there. A step drafted without the
-        head only to measure them would also teach the verifier's gate, which prices whatever graft proposes, that
-        graft's trees are worth less than the head's, and a fresh engine's gate then skipped drafting for the next
-        16-128 steps after each such step. Both gates price the drafting requests' rows by their sequence lengths
+        (:meth:`propose_trees`): the rival is priced on the text the head's trees were. Learnt also from the steps the
+        head sat out, it was priced on other text, and at batch 1 in bf16 the head drafted on 10-57% of the steps (~7 ms
+        a call, median, twice the nodes verified) for no more tokens a step than graft without a head: 8% slower on the
+        tuning prompts; priced on its own steps, it drafts on its probes alone there. A step drafted without the head
+        only to measure them would also teach the verifier's gate, which prices whatever graft proposes, that graft's
+        trees are worth less than the head's, and a fresh engine's gate then skipped drafting for the next 16-128 steps
+        after each such step. Both gates price the drafting requests' rows by their sequence lengths
         (``ctx.row_excess``), as the verifier does."""
         num_drafting = len(rows)
         if self.drafter is None or budget <= 0 or num_drafting == 0:
@@ -224,12 +224,6 @@ class GraftProposer(TreeProposer):
         self.stats.glance_trees += len(hits)
         return trees
 
-    def retrieval_alternatives(self, use_drafter: bool) -> bool:
-        """Whether this step also assembles the tree each request would get without the head (never verified), for
-        the retrieval gate: on every step the head drafts under a step budget (~0.1-0.6 ms a request beside a head
-        call of several ms)."""
-        return use_drafter and self.retrieval_gate is not None
-
     def propose_trees(self, ctx: ProposeContext) -> list[DraftTree | None]:
         self.stats.steps += 1
         budget = self.budget(ctx)
@@ -258,7 +252,9 @@ class GraftProposer(TreeProposer):
             self.head_cost.observe(len(rows), head_seconds)
             ctx.self_gated_seconds = head_seconds  # priced by the head's own gate (head_drafts), not the verifier's
         floor = self.floor(ctx)
-        alternatives = self.retrieval_alternatives(use_drafter)
+        # every head step under a step budget also assembles the tree each request would get without the head (never
+        # verified): the retrieval gate's only lesson, so that the head's trees and their rival are priced on one text
+        alternatives = use_drafter and self.retrieval_gate is not None
         built = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor, alternatives) for i in rows}
         assembled = {i: tree for i, (tree, _) in built.items()}
         # what the trees with the head, and without it, are worth, priced as the verifier will price them
