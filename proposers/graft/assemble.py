@@ -19,6 +19,8 @@ class AssembledTree(NamedTuple):
     #: confidence of the node given its parent (what the verifier calibrates and learns from)
     sources: np.ndarray
     raw_probs: np.ndarray
+    #: nodes a graft added (not on the draft; the budget and the floor may also have dropped draft nodes)
+    grafted: int = 0
 
 
 def empty_assembled() -> AssembledTree:
@@ -83,4 +85,4 @@ def assemble_tree(draft: DraftGrowth, grafts: Iterable[tuple], budget: int, min_
     # parents first by the order above (checked where graft hands its trees over, GraftProposer.propose_trees)
     tree = DraftTree.of_valid(union.token_ids[chosen], out_parents, score[chosen] / np.maximum(parent_score, 1e-30))
     origin = union.origin[chosen]
-    return AssembledTree(tree, all_sources[origin], all_raw[origin])
+    return AssembledTree(tree, all_sources[origin], all_raw[origin], int(np.count_nonzero(chosen >= num_draft)))

@@ -36,7 +36,9 @@ logger = logging.getLogger("vllm.treespec")
 class GraftStats:
     steps: int = 0
     trees: int = 0
+    #: nodes drafted (before the budget and the floor cut the tree)
     draft_nodes: int = 0
+    #: nodes of the final trees that grafts added
     grafted_nodes: int = 0
     pruned: int = 0
     draft_source: dict[str, int] = field(default_factory=dict)
@@ -319,7 +321,7 @@ class GraftProposer(TreeProposer):
         tree = assembled.tree
         self.stats.trees += 1
         self.stats.draft_nodes += len(draft)
-        self.stats.grafted_nodes += tree.num_nodes - len(draft)
+        self.stats.grafted_nodes += assembled.grafted
         self.stats.pruned += draft.pruned_at is not None
         return assembled, retrieval_only
 

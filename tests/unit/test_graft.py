@@ -180,6 +180,20 @@ def test_assemble_merges_identical_paths_and_keeps_the_draft():
     assert assemble(draft, [(-1, graft)], budget=5, min_score=0.95).num_nodes == 0
 
 
+def test_assemble_counts_the_nodes_grafts_added_whatever_it_dropped_of_the_draft():
+    """The grafted count is the final tree's nodes off the draft (13 and 14 here), not its size less the draft's,
+    which went negative once the floor dropped draft nodes (11 at 0.3) or a graft repeated a draft path (10 -> 12)."""
+    draft = DraftGrowth(budget=6, checkpoints={}, max_depth=8)
+    draft.add_level(DraftLevel(np.array([10, 11]), np.array([-1, -1]), np.log([0.6, 0.3])))
+    draft.add_level(DraftLevel(np.array([12]), np.array([0]), np.log([0.5])))
+    graft = RetrievedTree(np.array([10, 14, 12, 13]), np.array([-1, -1, 0, 2]),
+                          np.array([0.9, 0.05, 0.9, 0.9], np.float32))
+    assert assemble_tree(draft, [(-1, graft)], budget=5).grafted == 2  # 13 and 14
+    floored = assemble_tree(draft, [(-1, graft)], budget=5, min_score=0.5)
+    assert floored.tree.num_nodes == 3 and floored.grafted == 1  # 13 kept, 11 and 14 below the floor
+    assert assemble_tree(draft, [], budget=5, min_score=0.5).grafted == 0
+
+
 def test_acceptance_calibration_starts_at_the_raw_confidence_and_learns_the_observed_rate():
     cal = AcceptanceCalibration(["suffix", "successor"])
     raw = np.array([0.05, 0.55, 0.95])
