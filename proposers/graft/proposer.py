@@ -318,7 +318,6 @@ class GraftProposer(TreeProposer):
                 retrieval_only = self._assemble(req_id, context, retrieval_draft, source, found, budget, floor)
         if self.calibration is not None and self._learns_acceptance:
             self._last_trees[req_id] = assembled
-        tree = assembled.tree
         self.stats.trees += 1
         self.stats.draft_nodes += len(draft)
         self.stats.grafted_nodes += assembled.grafted
