@@ -182,7 +182,7 @@ def test_assemble_merges_identical_paths_and_keeps_the_draft():
 
 def test_assemble_counts_the_nodes_grafts_added_whatever_it_dropped_of_the_draft():
     """The grafted count is the final tree's nodes off the draft (13 and 14 here), not its size less the draft's,
-    which went negative once the floor dropped draft nodes (11 at 0.3) or a graft repeated a draft path (10 -> 12)."""
+    which undercounted, and went negative, once the floor or the budget dropped draft nodes (11 at 0.3 here)."""
     draft = DraftGrowth(budget=6, checkpoints={}, max_depth=8)
     draft.add_level(DraftLevel(np.array([10, 11]), np.array([-1, -1]), np.log([0.6, 0.3])))
     draft.add_level(DraftLevel(np.array([12]), np.array([0]), np.log([0.5])))
