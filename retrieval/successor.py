@@ -78,6 +78,61 @@ def _tree(ids, probs, root, budget, max_depth, min_prob, min_score):
     return out_tok[:n].copy(), out_par[:n].copy(), out_prob[:n].copy()
 
 
+@njit(cache=True)
+def _seed_rows(ids, tokens, confidence):
+    """The rows ``seed`` writes: for every empty row (no successor yet) whose token ``tokens`` follows by another,
+    its most frequent followers there (the ``k`` most, ties by token id) at ``confidence`` times their share."""
+    vocab, k = ids.shape
+    n = max(tokens.shape[0] - 1, 0)
+    keys = np.empty(n, np.int64)
+    m = 0
+    for j in range(n):
+        first, second = tokens[j], tokens[j + 1]
+        if 0 <= first < vocab and 0 <= second < (1 << 31) and ids[first, 0] < 0:
+            keys[m] = (first << 32) | second  # second < 2^31: sorts by first, then second
+            m += 1
+    keys = np.sort(keys[:m])
+    # distinct (first, second) pairs with their counts, in key order
+    pair_keys = np.empty(m, np.int64)
+    pair_counts = np.empty(m, np.int64)
+    pairs = 0
+    for j in range(m):
+        if pairs > 0 and pair_keys[pairs - 1] == keys[j]:
+            pair_counts[pairs - 1] += 1
+        else:
+            pair_keys[pairs] = keys[j]
+            pair_counts[pairs] = 1
+            pairs += 1
+    rows = np.empty(pairs, np.int64)
+    out_ids = np.full((pairs, k), -1, np.int32)
+    out_probs = np.zeros((pairs, k), np.float32)
+    order = np.empty(pairs, np.int64)
+    r = 0
+    start = 0
+    while start < pairs:
+        first = pair_keys[start] >> 32
+        stop = start
+        total = 0
+        while stop < pairs and (pair_keys[stop] >> 32) == first:
+            total += pair_counts[stop]
+            stop += 1
+        size = stop - start
+        for j in range(size):  # stable insertion sort by count, most first: ties keep token order
+            pos = j
+            while pos > 0 and pair_counts[start + order[pos - 1]] < pair_counts[start + j]:
+                order[pos] = order[pos - 1]
+                pos -= 1
+            order[pos] = j
+        rows[r] = first
+        for j in range(min(k, size)):
+            q = start + order[j]
+            out_ids[r, j] = np.int32(pair_keys[q] & 0xFFFFFFFF)
+            out_probs[r, j] = np.float32(confidence * pair_counts[q] / total)
+        r += 1
+        start = stop
+    return rows[:r], out_ids[:r], out_probs[:r]
+
+
 class SuccessorTable:
     """``vocab_size x k`` table of likely successors; unknown entries are -1 with probability 0."""
 
@@ -106,6 +161,16 @@ class SuccessorTable:
         topk_ids = np.ascontiguousarray(topk_ids, dtype=np.int32).reshape(tokens.shape[0], -1)
         topk_probs = np.ascontiguousarray(topk_probs, dtype=np.float32).reshape(tokens.shape[0], -1)
         _update(self.ids, self.probs, tokens, topk_ids, topk_probs)
+
+    def seed(self, tokens, confidence: float) -> None:
+        """Fill the rows still empty of the tokens in ``tokens`` (a committed text) from its bigrams: each token's
+        most frequent followers in it, at ``confidence`` times their share of its followers. Rows that hold
+        successors already (the target's, or an earlier seed) are kept."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.shape[0] >= 2:
+            rows, ids, probs = _seed_rows(self.ids, tokens, float(confidence))
+            if rows.shape[0]:
+                _update(self.ids, self.probs, rows, ids, probs)
 
     def row(self, token: int) -> tuple[np.ndarray, np.ndarray]:
         return self.ids[token], self.probs[token]

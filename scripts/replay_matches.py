@@ -68,8 +68,24 @@ def generate(prompts: str, max_tokens: int, model: str | None) -> list[dict]:
     texts = [t for t in texts if len(tokenizer(t)["input_ids"]) <= MAX_PROMPT_TOKENS]
     llm = LLM(model=model, dtype="float32", max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, max_num_seqs=16,
               enforce_eager=True)
-    results = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return [{"prompt": list(r.prompt_token_ids), "output": list(r.outputs[0].token_ids)} for r in results]
+    # logprobs=0: the chosen token's log-probability (greedy: the target's top-1), read by --target-confidence
+    results = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0), use_tqdm=False)
+    return [{"prompt": list(r.prompt_token_ids), "output": list(r.outputs[0].token_ids),
+             "output_logprobs": [float(step[t].logprob) for t, step in zip(r.outputs[0].token_ids,
+                                                                            r.outputs[0].logprobs)]}
+            for r in results]
+
+
+#: upper edges of the classes of the target's probability of the last committed token (--target-confidence);
+#: class 0 is the first output position, whose last token is the prompt's (the target never scored it)
+TARGET_CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
+
+
+def target_class(record: dict, i: int) -> int:
+    """The class of the target's probability of the token before output position ``i`` (0: the prompt's last)."""
+    if i == 0:
+        return 0
+    return 1 + int(np.searchsorted(TARGET_CONFIDENCE_EDGES, np.exp(record["output_logprobs"][i - 1]), "right"))
 
 
 def walk(tree, future: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -189,12 +205,14 @@ def replay_policies(records: list[dict], step_seconds=None) -> dict[str, tuple[f
             for label, t in totals.items()}
 
 
-def _rate_keys(tree) -> list[tuple[int, int, int]]:
-    """Per node of a merged proposal: (source class, depth class, raw-confidence bin), the calibration's keys."""
+def _rate_keys(tree, target: int | None = None) -> list[tuple[int, ...]]:
+    """Per node of a merged proposal: (source class, depth class, raw-confidence bin), the calibration's keys, and
+    ``target`` (the step's :func:`target_class`) when given."""
     from vllm_treespec.verify.calibration import AcceptanceCalibration, depth_class
 
-    return list(zip(tree.node_sources.tolist(), depth_class(tree.depths()).tolist(),
-                    AcceptanceCalibration.bins(tree.node_probs).tolist()))
+    keys = zip(tree.node_sources.tolist(), depth_class(tree.depths()).tolist(),
+               AcceptanceCalibration.bins(tree.node_probs).tolist())
+    return [k + (target,) for k in keys] if target is not None else list(keys)
 
 
 def _acceptance_sources(by_match_length: bool):
@@ -225,10 +243,13 @@ def _merged_proposal(sources, key: int, context: np.ndarray, prompt_len: int, so
     return DraftTree(union.token_ids, union.parents, raw.astype(np.float32), ids[union.origin]), found
 
 
-def in_sample_rates(records: list[dict]) -> dict[tuple[int, int, int], float]:
+def in_sample_rates(records: list[dict], by_target: bool = False,
+                    keys: list[int] | None = None) -> dict[tuple[int, ...], float]:
     """How often the target accepted the nodes it reached of the merged proposal at every output position, by
     source and match-length class, depth class and raw-confidence bin: rates measured on the outputs they will price
-    (Laplace-smoothed), what no online calibration keyed on those classes can beat."""
+    (Laplace-smoothed), what no online calibration keyed on those classes can beat. ``by_target`` adds the class of
+    the target's probability of the last committed token (:func:`target_class`) to every key; ``keys`` counts only
+    those records (the others still feed the global suffix store, as in the budget replay)."""
     from vllm_treespec.proposers.graft.sources import MATCHED_SOURCES
 
     _, source_id = _acceptance_sources(by_match_length=True)
@@ -239,14 +260,18 @@ def in_sample_rates(records: list[dict]) -> dict[tuple[int, int, int], float]:
     for key, record in enumerate(records):
         prompt, output = record["prompt"], record["output"]
         tokens = np.asarray(prompt + output, np.int32)
+        if keys is not None and key not in keys:  # not counted: only its text joins the global suffix store
+            sources.at_root(key, tokens[:-1], BUDGET, len(prompt))
+            sources.release({key})
+            continue
         for i in range(len(output)):
             tree, _ = _merged_proposal(sources, key, tokens[: len(prompt) + i], len(prompt), source_id)
             if tree is None:
                 continue
             accepted, reached, _ = walk(tree, output[i:])
-            keys = _rate_keys(tree)
+            cells = _rate_keys(tree, target_class(record, i) if by_target else None)
             for j in np.flatnonzero(reached).tolist():
-                cell = counts[keys[j]]
+                cell = counts[cells[j]]
                 cell[0] += int(accepted[j])
                 cell[1] += 1
         sources.release({key})
@@ -254,7 +279,8 @@ def in_sample_rates(records: list[dict]) -> dict[tuple[int, int, int], float]:
 
 
 def replay_priced(records: list[dict], cost, by_match_length: bool = False, overhead: float = 0.0,
-                  breakdown: dict | None = None, rates: dict | None = None) -> tuple[float, ...]:
+                  breakdown: dict | None = None, rates: dict | None = None,
+                  rates_of=None, by_target: bool = False) -> tuple[float, ...]:
     """graft's retrieval under the verifier's budget: at every step the suffix and n-gram trees, merged as graft
     merges them, priced by the verifier's own acceptance calibration (:class:`AcceptanceTracker`: learned online from
     what this replay verified and from the committed token after the last accepted node, with its expectation
@@ -264,15 +290,18 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
     ``breakdown`` (a dict) collects, per match-length class of the step's longest retrieval match, [steps, tokens
     the proposed trees' accepted path held (hindsight), drafts accepted, nodes admitted]. ``rates``
     (:func:`in_sample_rates`) prices every node by its class's rate in that table instead of the calibration (by
-    match length)."""
+    match length); ``rates_of`` (record index -> such a table) prices each record by its own table (cross-fitted
+    rates), and ``by_target`` keys those tables by the step's :func:`target_class` too."""
     from vllm_treespec.api import DraftTree
     from vllm_treespec.cost.allocate import allocate
     from vllm_treespec.proposers.graft.sources import MATCHED_SOURCES
     from vllm_treespec.verify.calibration import AcceptanceTracker
 
-    names, source_id = _acceptance_sources(by_match_length or rates is not None)
+    if rates is not None:
+        rates_of = lambda key: rates  # noqa: E731
+    names, source_id = _acceptance_sources(by_match_length or rates_of is not None)
     sources = RetrievalSources(GraftOptions(sources=MATCHED_SOURCES), FALLBACK_VOCAB_SIZE)
-    tracker = AcceptanceTracker(names) if rates is None else None  # a fixed table learns nothing
+    tracker = AcceptanceTracker(names) if rates_of is None else None  # a fixed table learns nothing
 
     tokens_total = steps = nodes_total = drafting = 0
     seconds = 0.0
@@ -280,6 +309,7 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
         req = str(key)
         prompt, output = record["prompt"], record["output"]
         tokens = np.asarray(prompt + output, np.int32)
+        table = rates_of(key) if rates_of is not None else None
         i = 0
         while i < len(output):
             future = output[i:]
@@ -289,7 +319,8 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
                 held = int(walk(proposed, future)[0].sum())
                 priced = tracker.calibrate([proposed], req_ids=[req]) if tracker is not None else [DraftTree(
                     proposed.token_ids, proposed.parents,
-                    np.array([rates.get(cell, 0.0) for cell in _rate_keys(proposed)], np.float32))]
+                    np.array([table.get(cell, 0.0) for cell in _rate_keys(
+                        proposed, target_class(record, i) if by_target else None)], np.float32))]
                 final = allocate(priced, cost, per_request_cap=BUDGET, overhead=overhead).trees[0]
                 if tracker is not None:
                     tracker.handed([req], [proposed], [final])
@@ -389,6 +420,10 @@ def main() -> None:
                         help="with --policies: a step-cost record (JSON) to price each step's forward by")
     parser.add_argument("--overhead-ms", type=float, default=0.0,
                         help="with --cost: host time a step with drafts costs graft's budget policies")
+    parser.add_argument("--target-confidence", action="store_true",
+                        help="with --cost: also price nodes by cross-fitted class rates (fitted on the other half "
+                             "of the outputs) with and without the class of the target's probability of the last "
+                             "committed token (outputs saved with it: --save since this option)")
     args = parser.parse_args()
     if args.outputs:
         with open(args.outputs) as f:
@@ -410,6 +445,14 @@ def main() -> None:
                 breakdowns[label] = {}
                 results[label] = replay_priced(records, cost, by_length, args.overhead_ms / 1e3, breakdowns[label],
                                                rates)
+            if args.target_confidence:
+                halves = [set(range(0, len(records), 2)), set(range(1, len(records), 2))]
+                for label, by_target in (("cross-fitted class rates", False),
+                                         ("the same, and the target's confidence", True)):
+                    tables = [in_sample_rates(records, by_target, keys=half) for half in halves]
+                    breakdowns[label] = {}
+                    results[label] = replay_priced(records, cost, True, args.overhead_ms / 1e3, breakdowns[label],
+                                                   rates_of=lambda key: tables[1 - key % 2], by_target=by_target)
         print(report_policies(results))
         if args.cost:
             print(report_breakdowns(breakdowns))

@@ -97,28 +97,7 @@ class RetrievalSources:
             return
         seen = self._seen.get(req_id, 0)
         self._seen[req_id] = len(context)
-        new = context[max(seen - 1, 0, len(context) - 8192):]
-        if new.size < 2:
-            return
-        first = new[:-1].astype(np.int64)
-        ok = (first < self.successors.vocab_size) & (new[1:] >= 0)
-        first, second = first[ok], new[1:][ok].astype(np.int64)
-        empty = self.successors.ids[first, 0] < 0
-        if not empty.any():
-            return
-        pairs, counts = np.unique(np.stack([first[empty], second[empty]], 1), axis=0, return_counts=True)
-        order = np.lexsort((-counts, pairs[:, 0]))  # by token, most frequent successor first
-        pairs, counts = pairs[order], counts[order]
-        starts = np.r_[0, np.nonzero(np.diff(pairs[:, 0]))[0] + 1]
-        k = self.successors.k
-        ids = np.full((starts.size, k), -1, np.int32)
-        probs = np.zeros((starts.size, k), np.float32)
-        ends = np.r_[starts[1:], pairs.shape[0]]
-        for r, (s, e) in enumerate(zip(starts, ends)):
-            m = min(k, e - s)
-            ids[r, :m] = pairs[s:s + m, 1]
-            probs[r, :m] = SEED_CONFIDENCE * counts[s:s + m] / counts[s:e].sum()
-        self.successors.update(pairs[starts, 0], ids, probs)
+        self.successors.seed(context[max(seen - 1, 0, len(context) - 8192):], SEED_CONFIDENCE)
 
     def learn(self, tokens: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray) -> None:
         """The target's top-k successors of each token (rows of verified distributions)."""

@@ -199,6 +199,33 @@ def test_successor_tree_is_best_first_over_rows(k, seed, limits):
                      min_score)
 
 
+@SETTINGS
+@given(st.lists(st.integers(-1, 7), min_size=0, max_size=60), st.integers(1, 4), st.sets(st.integers(0, 5)))
+def test_successor_seed_fills_empty_rows_with_their_most_frequent_followers(text, k, learned):
+    vocab = 6  # tokens 6 and 7 lie outside the table, -1 is no token
+    table = SuccessorTable(vocab, k)
+    for t in learned:  # rows the target filled stay as they are
+        table.update([t], [[(t + 1) % vocab]], [[0.9]])
+    before_ids, before_probs = table.ids.copy(), table.probs.copy()
+    table.seed(np.array(text, np.int64), 0.5)
+    followers_of: dict[int, dict[int, int]] = {}
+    for first, second in zip(text, text[1:]):
+        if 0 <= first < vocab and second >= 0 and first not in learned:
+            counts = followers_of.setdefault(first, {})
+            counts[second] = counts.get(second, 0) + 1
+    for t in range(vocab):
+        if t not in followers_of:
+            assert table.ids[t].tolist() == before_ids[t].tolist()
+            assert table.probs[t].tolist() == before_probs[t].tolist()
+            continue
+        counts = followers_of[t]
+        ranked = sorted(counts, key=lambda s: (-counts[s], s))[:k]
+        total = sum(counts.values())
+        assert table.ids[t].tolist() == ranked + [-1] * (k - len(ranked))
+        assert table.probs[t].tolist() == [float(np.float32(0.5 * counts[s] / total)) for s in ranked] + \
+            [0.0] * (k - len(ranked))
+
+
 def test_successor_tree_runs_rank0_chain_deep():
     table = SuccessorTable(10, 3)
     for t in range(10):  # rank 0 continues t -> t+1 confidently, ranks 1-2 are weak alternatives
