@@ -73,6 +73,11 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: trees graft would draft without it; without one the device default
     #: (CPU 1, else no limit), or no limit when adaptive_budget is off
     model_draft_max_batch: int | None = None
+    #: under the step budget, on a step the head's gate keeps it out, the head still drafts for the requests that no
+    #: retrieval source matched when a gate of their own expects its trees to pay against plain decoding (graft has
+    #: no other tree for those requests, so retrieval is no rival there); False = the head drafts only where its gate
+    #: says so for every drafting request
+    unmatched_head: bool = True
     #: nodes whose path confidence (estimated chance the target accepts the whole path) is below this are not
     #: verified, even within the budget: each verified token costs forward time, which on a compute-bound device
     #: only a likely node pays back. 0 = fill the budget; None = 0 under the step budget (``cost_budget``: the

@@ -46,6 +46,8 @@ class GraftStats:
     retrieval_only_steps: int = 0
     #: retrieval-only trees offered on steps the verifier's gate skipped (option ``glance``)
     glance_trees: int = 0
+    #: steps where the head drafted only for the requests no retrieval source matched (option ``unmatched_head``)
+    unmatched_head_steps: int = 0
 
 
 class GraftProposer(TreeProposer):
@@ -80,6 +82,8 @@ class GraftProposer(TreeProposer):
         self.head_cost = CallCost()  # the head's seconds per drafting step (ingest + draft), by requests
         self.head_gate: DraftGate | None = None
         self.retrieval_gate: DraftGate | None = None  # what the retrieval-only trees are worth (no drafter cost)
+        #: what the head's trees are worth for requests no retrieval source matched (option unmatched_head)
+        self.unmatched_gate: DraftGate | None = None
         self.drafter = drafter if drafter is not None else load_model_drafter(
             opts.eagle_checkpoint, vllm_config, depth=opts.eagle_depth, top_k=opts.eagle_top_k,
             dtype=opts.eagle_dtype)
@@ -180,6 +184,28 @@ class GraftProposer(TreeProposer):
         return self.head_gate.should_draft(num_drafting, budget, row_excess=excess, extra_seconds=backlog,
                                            rival_rate=retrieval_best)
 
+    def unmatched_head_drafts(self, ctx: ProposeContext, budget: int, unmatched: list[int]) -> bool:
+        """Whether the head drafts, on a step its own gate kept it out, for the ``unmatched`` rows (requests no
+        retrieval source matched; option ``unmatched_head``): when a gate that learns what its trees are worth on such
+        rows alone expects them to beat plain decoding at its measured call and catch-up. Its gate weighs the head on
+        every drafting request against graft's retrieval-only trees, averaged over steps that matched and steps that
+        did not; where nothing matched, graft has no tree and plain decoding is the only rival."""
+        if not self.options.unmatched_head or self.drafter is None or ctx.step_cost is None or budget <= 0 \
+                or not unmatched or ctx.probing:
+            return False
+        if self.options.model_draft_max_batch is not None and ctx.num_reqs > self.model_draft_max_batch:
+            return False
+        gate = self._unmatched_gate(ctx)
+        backlog = self.drafter.backlog_seconds([ctx.req_ids[i] for i in unmatched])
+        excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[unmatched]))
+        return gate.should_draft(len(unmatched), budget, row_excess=excess, extra_seconds=backlog)
+
+    def _unmatched_gate(self, ctx: ProposeContext) -> DraftGate:
+        if self.unmatched_gate is None:
+            self.unmatched_gate = DraftGate(ctx.step_cost, self.head_cost)
+        self.unmatched_gate.cost = ctx.step_cost
+        return self.unmatched_gate
+
     # --- proposing -------------------------------------------------------------------------------------------------
     def observe(self, ctx: ProposeContext) -> None:
         if self.drafter is not None:
@@ -231,9 +257,20 @@ class GraftProposer(TreeProposer):
         budget = self.budget(ctx)
         rows = [i for i in range(ctx.num_reqs) if ctx.needs_draft(i)]
         use_drafter = self.head_drafts(ctx, budget, rows)
+        # retrieval first where the head's rows may depend on it: the rows nothing matched are the unmatched gate's
+        found = {i: self._retrieve(ctx, i, budget) for i in rows} if self.options.unmatched_head \
+            and self.drafter is not None and budget > 0 else {}
+        unmatched = [i for i in rows if i in found and not any(t.num_nodes for t in found[i].values())]
+        head_rows = rows if use_drafter else \
+            unmatched if self.unmatched_head_drafts(ctx, budget, unmatched) else []
         started = time.perf_counter()
-        if use_drafter:
+        if head_rows:
+            asked = ctx.draft_rows
+            if head_rows is not rows:  # the head reads and drafts for the unmatched rows only, keeps the others'
+                ctx.draft_rows = np.zeros(ctx.num_reqs, dtype=bool)
+                ctx.draft_rows[head_rows] = True
             self.drafter.ingest(ctx)
+            ctx.draft_rows = asked
         elif self.drafter is not None:
             # the head does not draft (zero budget, a batch above model_draft_max_batch, or its gate): it only keeps
             # this step's rows for its cache (written with its next ingest). Ingesting every step (attention and LM
@@ -245,19 +282,21 @@ class GraftProposer(TreeProposer):
             return trees
         if self.drafter is not None and not use_drafter:
             self.stats.retrieval_only_steps += 1
-        model_drafts = self._model_drafts(ctx, rows, budget) if use_drafter else {}
-        if use_drafter:
+        model_drafts = self._model_drafts(ctx, head_rows, budget) if head_rows else {}
+        if head_rows:
             # the head's writes of rows that steps without drafts left are priced by neither gate: drafting for those
             # requests at any later step would pay them too
             ctx.deferred_seconds = self.drafter.catch_up_seconds
             head_seconds = time.perf_counter() - started - ctx.deferred_seconds
-            self.head_cost.observe(len(rows), head_seconds)
-            ctx.self_gated_seconds = head_seconds  # priced by the head's own gate (head_drafts), not the verifier's
+            self.head_cost.observe(len(head_rows), head_seconds)
+            ctx.self_gated_seconds = head_seconds  # priced by the head's own gates, not the verifier's
+            if not use_drafter:
+                self.stats.unmatched_head_steps += 1
         floor = self.floor(ctx)
         # every head step under a step budget also assembles the tree each request would get without the head (never
         # verified): the retrieval gate's only lesson, so that the head's trees and their rival are priced on one text
         alternatives = use_drafter and self.retrieval_gate is not None
-        built = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor, alternatives) for i in rows}
+        built = {i: self._tree(ctx, i, budget, model_drafts.get(i), floor, alternatives, found.get(i)) for i in rows}
         assembled = {i: tree for i, (tree, _) in built.items()}
         # what the trees with the head, and without it, are worth, priced as the verifier will price them
         if use_drafter and self.head_gate is not None:
@@ -265,6 +304,10 @@ class GraftProposer(TreeProposer):
             if alternatives:
                 self.retrieval_gate.record([self._priced(alt) for _, alt in built.values()],
                                            scale=ctx.expectation_factor)
+        # what the head's trees are worth where nothing matched: learnt on every head step's unmatched rows
+        if head_rows and unmatched and ctx.step_cost is not None:
+            self._unmatched_gate(ctx).record([self._priced(assembled[i]) for i in unmatched],
+                                             scale=ctx.expectation_factor)
         for i, a in assembled.items():
             # the raw numbers and their sources: the verifier calibrates them (the same rates graft ranked by)
             trees[i] = DraftTree(a.tree.token_ids, a.tree.parents, a.raw_probs.astype(np.float32), a.sources)
@@ -289,15 +332,23 @@ class GraftProposer(TreeProposer):
                    for i, t in self.drafter.draft(ctx, rows).items()}
         return {i: g for i, g in growths.items() if len(g)}
 
-    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None, floor: float,
-              alternative: bool = False) -> tuple[AssembledTree, AssembledTree | None]:
-        """Request row ``i``'s tree (on the model drafter's ``draft``, else retrieval-only) and, if ``alternative``,
-        the retrieval-only tree it would have had without the model drafter."""
+    def _retrieve(self, ctx: ProposeContext, i: int, budget: int) -> dict[str, RetrievedTree]:
+        """Each retrieval source's tree continuing request row ``i``'s committed tokens (which they learn first)."""
         req_id, context = ctx.req_ids[i], ctx.committed(i)
         prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
         self.sources.observe(req_id, context)
         self._roots[req_id] = int(context[-1])
-        found = self.sources.at_root(req_id, context, budget, prompt_len)
+        return self.sources.at_root(req_id, context, budget, prompt_len)
+
+    def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None, floor: float,
+              alternative: bool = False, found: dict[str, RetrievedTree] | None = None,
+              ) -> tuple[AssembledTree, AssembledTree | None]:
+        """Request row ``i``'s tree (on the model drafter's ``draft``, else retrieval-only) and, if ``alternative``,
+        the retrieval-only tree it would have had without the model drafter. ``found``: the sources' trees, when
+        :meth:`_retrieve` ran already this step."""
+        req_id, context = ctx.req_ids[i], ctx.committed(i)
+        if found is None:
+            found = self._retrieve(ctx, i, budget)
         retrieval_only = None
         if draft is None and not any(t.num_nodes for t in found.values()):
             # nothing retrieved: the empty tree assembly would build, without growing and grafting empty trees (a

@@ -1010,3 +1010,51 @@ def test_graft_glances_at_a_long_suffix_match_where_its_first_node_pays():
     off = proposer(calibrate_by_match_length=True, sources=("suffix",), budget=8, eagle_checkpoint="none")
     ctx.step_cost = Linear(0.05, 0.01)
     assert off.glance(ctx, [0, 1]) is None
+
+
+def test_the_head_drafts_for_the_requests_no_source_matched_on_steps_its_gate_keeps_it_out():
+    """Where no retrieval source matched, graft has no tree and plain decoding is the head's only rival: on a step its
+    gate (weighing it against the retrieval-only trees on every request) keeps it out, a gate of the unmatched rows'
+    own lets it read and draft for those rows alone, while it pays there; ``unmatched_head: false`` keeps it out."""
+
+    class CountingDrafter(ScriptedDrafter):
+        def __init__(self, level_probs):
+            super().__init__(level_probs)
+            self.ingested: list[list[int]] = []
+
+        def ingest(self, ctx):
+            self.ingested.append([i for i in range(ctx.num_reqs) if ctx.needs_draft(i)])
+
+    def graft(head_probs, **options):
+        drafter = CountingDrafter({0: head_probs, 1: head_probs})
+        p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False, **options),
+                          drafter=drafter, vocab_size=VOCAB)
+        p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.95))
+        p.head_drafts = lambda ctx, budget, rows: False  # its gate keeps it out: retrieval-only trees win
+        return p, drafter
+
+    def step(p):
+        ctx = make_ctx([[1, 2, 3], [30, 31, 40]])  # row 0 continues a learned successor; nothing follows 40
+        ctx.step_cost = Linear(0.05, 0.004)
+        return ctx, p.propose_trees(ctx)
+
+    p, drafter = graft([0.9, 0.9, 0.9])
+    ctx, (matched, unmatched) = step(p)  # nothing known yet: the unmatched gate drafts, and learns
+    assert drafter.ingested == [[1]] and drafter.calls[0] == [1] and ctx.draft_rows is None
+    assert matched.token_ids.tolist()[:3] == [4, 5, 6] and MODEL_SOURCE in p.acceptance_sources
+    assert unmatched.token_ids[0] == 50 and set(unmatched.node_sources.tolist()) == {
+        p.acceptance_sources.index(MODEL_SOURCE)}
+    assert p.stats.unmatched_head_steps == 1 and p.stats.retrieval_only_steps == 1
+    p.head_cost.observe(2, 0.001)
+    p.head_cost.observe(2, 0.001)  # 1 ms a call: a confident head pays against plain decoding
+    for _ in range(3):
+        step(p)
+    assert drafter.ingested[1:] == [[1]] * 3 and p.unmatched_gate.last_rates[0] > p.unmatched_gate.last_rates[1]
+    # the same head at 200 ms a call never pays: its gate keeps it out but for its probes
+    p.head_cost.buckets = {0: 0.2}
+    for _ in range(3):
+        step(p)
+    assert len(drafter.ingested) == 4 and p.unmatched_gate.last_rates[0] < p.unmatched_gate.last_rates[1]
+    off, drafter = graft([0.9, 0.9, 0.9], unmatched_head=False)
+    _, (_, unmatched) = step(off)
+    assert drafter.ingested == [] and unmatched.num_nodes == 0 and off.unmatched_gate is None
