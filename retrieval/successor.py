@@ -106,7 +106,6 @@ def _seed_rows(ids, tokens, confidence):
     rows = np.empty(pairs, np.int64)
     out_ids = np.full((pairs, k), -1, np.int32)
     out_probs = np.zeros((pairs, k), np.float32)
-    order = np.empty(pairs, np.int64)
     r = 0
     start = 0
     while start < pairs:
@@ -117,12 +116,7 @@ def _seed_rows(ids, tokens, confidence):
             total += pair_counts[stop]
             stop += 1
         size = stop - start
-        for j in range(size):  # stable insertion sort by count, most first: ties keep token order
-            pos = j
-            while pos > 0 and pair_counts[start + order[pos - 1]] < pair_counts[start + j]:
-                order[pos] = order[pos - 1]
-                pos -= 1
-            order[pos] = j
+        order = np.argsort(-pair_counts[start:stop], kind="mergesort")  # most first; stable: ties in token order
         rows[r] = first
         for j in range(min(k, size)):
             q = start + order[j]
