@@ -244,7 +244,7 @@ def _merged_proposal(sources, key: int, context: np.ndarray, prompt_len: int, so
 
 
 def in_sample_rates(records: list[dict], by_target: bool = False,
-                    keys: list[int] | None = None) -> dict[tuple[int, ...], float]:
+                    keys: set[int] | None = None) -> dict[tuple[int, ...], float]:
     """How often the target accepted the nodes it reached of the merged proposal at every output position, by
     source and match-length class, depth class and raw-confidence bin: rates measured on the outputs they will price
     (Laplace-smoothed), what no online calibration keyed on those classes can beat. ``by_target`` adds the class of

@@ -161,7 +161,7 @@ class GraftProposer(TreeProposer):
             return False
         if ctx.step_cost is None:
             return ctx.num_reqs <= self.model_draft_max_batch
-        if self.options.model_draft_max_batch is not None and ctx.num_reqs > self.model_draft_max_batch:
+        if self._above_batch_cap(ctx):
             return False
         if self.head_gate is None or self.retrieval_gate is None:
             self.head_gate, self.retrieval_gate = DraftGate(ctx.step_cost, self.head_cost), DraftGate(ctx.step_cost)
@@ -175,7 +175,7 @@ class GraftProposer(TreeProposer):
             # allowance of ~37 ms)
             head_call = self.head_cost.predict(num_drafting) or 0.0
             return ctx.probe_seconds is None or backlog + head_call <= ctx.probe_seconds
-        excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[rows]))
+        excess = self._mean_row_excess(ctx, rows)
         # the head's trees must beat the retrieval-only ones too (unknown until a head step has priced them). A
         # step they lose is a skipped step of the head's gate: its probes keep what the head's trees are worth
         # current, where a veto after the gate would leave them as the first steps had priced them, for good
@@ -193,12 +193,20 @@ class GraftProposer(TreeProposer):
         if not self.options.unmatched_head or self.drafter is None or ctx.step_cost is None or budget <= 0 \
                 or not unmatched or ctx.probing:
             return False
-        if self.options.model_draft_max_batch is not None and ctx.num_reqs > self.model_draft_max_batch:
+        if self._above_batch_cap(ctx):
             return False
-        gate = self._unmatched_gate(ctx)
         backlog = self.drafter.backlog_seconds([ctx.req_ids[i] for i in unmatched])
-        excess = None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[unmatched]))
-        return gate.should_draft(len(unmatched), budget, row_excess=excess, extra_seconds=backlog)
+        return self._unmatched_gate(ctx).should_draft(len(unmatched), budget, row_excess=self._mean_row_excess(
+            ctx, unmatched), extra_seconds=backlog)
+
+    def _above_batch_cap(self, ctx: ProposeContext) -> bool:
+        """An explicit ``model_draft_max_batch`` keeps the head out of larger batches, whatever its gates say."""
+        return self.options.model_draft_max_batch is not None and ctx.num_reqs > self.model_draft_max_batch
+
+    @staticmethod
+    def _mean_row_excess(ctx: ProposeContext, rows: list[int]) -> float | None:
+        """The context term of ``rows``' rows on average, as the head's gates price them (None: at the curve's)."""
+        return None if ctx.row_excess is None else float(np.mean(np.asarray(ctx.row_excess)[rows]))
 
     def _unmatched_gate(self, ctx: ProposeContext) -> DraftGate:
         if self.unmatched_gate is None:
