@@ -19,21 +19,27 @@ def fake_head(tmp_path, span=(1000, 1010)):
     return head
 
 
-def test_the_shipped_heads_recorded_span_is_where_the_trainer_drew_both_runs_prompts():
+def test_the_shipped_heads_recorded_span_is_where_the_trainer_drew_its_three_runs_prompts():
     from vllm_treespec.training.data import training_prompt_span, training_prompts
 
-    # run 1: the default recipe's 1024 prompts; run 2 (--init-from): the next 1024
+    # run 1: the default recipe's 1024 prompts; run 2 (--init-from): the next 1024; run 3 (--init-from): 2048 more
     span = head_training_span(shipped_head_path())
     first_run = training_prompt_span(1024)
     second_run = training_prompt_span(1024, first=first_run[1])
-    assert first_run == (1000, 2169) and span == (1000, second_run[1]) == (1000, 3340)
+    third_run = training_prompt_span(2048, first=second_run[1])
+    assert first_run == (1000, 2169) and second_run[1] == 3340
+    assert span == (1000, third_run[1]) == (1000, 5680)
     from vllm_treespec.tools.data import sharegpt
 
     position_of = {q["question_id"]: i for i, q in enumerate(sharegpt(seed=0))}
-    positions = [position_of[q["question_id"]] for q in training_prompts(1024) + training_prompts(1024, first=2169)]
-    assert min(positions) == span[0] and max(positions) == span[1] - 1 and len(set(positions)) == 2048
+    runs = training_prompts(1024) + training_prompts(1024, first=2169) + training_prompts(2048, first=3340)
+    positions = [position_of[q["question_id"]] for q in runs]
+    assert min(positions) == span[0] and max(positions) == span[1] - 1 and len(set(positions)) == 4096
     config = json.loads((shipped_head_path() / "config.json").read_text())["treespec_training"]
-    assert config["continued_from"]["head"] == "shipped" and config["continued_from"]["sharegpt_positions"] == [1000, 2169]
+    second = config["continued_from"]
+    assert second["head"] == "shipped" and second["sharegpt_positions"] == [1000, 3340]
+    first = second["continued_from"]
+    assert first["head"] == "shipped" and first["sharegpt_positions"] == [1000, 2169]
 
 
 def test_overlap_names_the_positions_inside_the_span_only(tmp_path):

@@ -295,11 +295,12 @@ def train(features_dir: Path, model_dir: str, work: Path, *, draft_vocab: int, t
         opt.step()
         sched.step()
         step += 1
-        run_loss += float(loss)
+        step_loss = loss.detach().item()  # a float of a tensor that requires grad warns in torch 2.13
+        run_loss += step_loss
         run_acc[: len(accs)] += accs
         run_n += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc0=f"{accs[0]:.2f}")
+        bar.set_postfix(loss=f"{step_loss:.3f}", acc0=f"{accs[0]:.2f}")
         elapsed = time.time() - started
         out_of_time = (max_minutes is not None and elapsed > max_minutes * 60) or (max_steps is not None
                                                                                   and step >= max_steps)
