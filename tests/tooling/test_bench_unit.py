@@ -145,6 +145,27 @@ def test_norm_speedup_brings_every_engine_to_the_median_engines_speed():
     assert "norm. speedup:" not in bench.format_table(rows)
 
 
+def test_an_engines_speed_is_read_from_its_plain_forwards_once_it_ran_enough_of_them():
+    """A tree engine that verifies on most steps runs only its budget's plain samples (~10 a repeat): 8 are enough
+    for a reading, fewer give none (and the reading is asked for the batch's request count)."""
+    class Engine:
+        def __init__(self, count):
+            self.count, self.asked = count, []
+
+        def collective_rpc(self, fn, kwargs):
+            self.asked.append(kwargs)
+            return [{1: (18.5, self.count), 4: (30.0, 100)}]
+
+    assert bench.plain_forward_ms(Engine(bench.MIN_PLAIN_FORWARDS), 1) == 18.5
+    assert bench.plain_forward_ms(Engine(10), 4) == 30.0
+    assert bench.plain_forward_ms(Engine(bench.MIN_PLAIN_FORWARDS - 1), 1) is None
+    assert bench.plain_forward_ms(Engine(100), 2) is None  # no forward of 2 requests
+    assert bench.MIN_PLAIN_FORWARDS <= 10
+    engine = Engine(50)
+    bench.plain_forward_ms(engine, 1, reset=True)
+    assert engine.asked == [{"reset": True}]
+
+
 def test_no_lossless_check_when_sampling():
     out = {"code": {1: [[1]]}, "chat": {2: [[2]]}}
     rows = bench.summarize([_result("none", "none", [1.0], out), _result("st", "suffix_tree", [1.0], out)], 0.7)
