@@ -421,11 +421,12 @@ def build_llm(model: str, spec: MethodSpec, args: argparse.Namespace):
                enforce_eager=args.enforce_eager)
 
 
-#: plain forwards an engine must have run for its speed to count. A median of 8 of a batch-1 engine's plain forwards
-#: read within 1-2.5% of the median of all of them (90th percentile 2-7%; CL's three graft engines, 2026-12-06),
-#: where engines of one configuration ran up to a third apart; a tree engine that verifies on most steps runs ~10
-#: (its budget's plain samples: CM's third graft engine ran 10, so had no figure at equal engine speed under 20)
-MIN_PLAIN_FORWARDS = 8
+#: plain forwards an engine must have run for its speed to count. A median of 5 of a batch-1 engine's plain forwards
+#: read within 1-3% of the median of all of them (90th percentile 3-8%; CL's three graft engines, 2026-12-06),
+#: where engines of one configuration ran up to a third apart; a tree engine that verifies on nearly every step runs
+#: only its budget's plain samples, one every PLAIN_SAMPLE_AGE steps (CM's and CO's third graft engines ran 10 and 6
+#: after the warm-up, so had no figure at equal engine speed under 20)
+MIN_PLAIN_FORWARDS = 5
 
 
 def plain_forward_ms(llm, num_reqs: int, reset: bool = False) -> float | None:

@@ -56,7 +56,7 @@ from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import (ALLOW_TRAINING_PROMPTS_HELP, check_held_out, check_prompt_lengths,
                                        load_questions, load_tokenizer)
-from vllm_treespec.tools.bench import MIN_PLAIN_FORWARDS, never_drafting_labels, parse_methods, round_order
+from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order
 from vllm_treespec.tools.bench import unavailable_reason
 from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
 from vllm_treespec.tools.serving import off_the_workers_cpus
@@ -67,6 +67,9 @@ from vllm_treespec.tools.server_memory import (DEFAULT_KV_GIB, ServerMemoryError
 SERVED_NAME = "bench"
 #: vLLM's CPU KV cache size, whole GiB
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: plain forwards a level's window must hold for its server's speed to count: a level runs hundreds, and their line
+#: against context (window_fit) needs more of them than a batch-1 engine's median (bench.MIN_PLAIN_FORWARDS)
+MIN_WINDOW_FORWARDS = 20
 #: --interleave's wait before a turn that follows another server's: a server's processes keep one core busy for
 #: 1.0 s after its last response (measured, 2026-12-04), which delayed the next server's prefill by 0.6-1.0 s
 TURN_PAUSE_S = 1.5
@@ -296,17 +299,17 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
     :func:`~vllm_treespec.patches.forward_times.window_fit`), their median context (``"context"``) and its 10th to
     90th percentiles (``"context_range"``); the median host time between two consecutive plain forwards
     (``"between_ms"``, over ``"between_count"`` pairs, :func:`~vllm_treespec.patches.forward_times.window_gap`);
-    None where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+    None where it ran fewer than :data:`MIN_WINDOW_FORWARDS` of them."""
     for level, (start, end) in windows.items():
         if level in entry["levels"]:
-            reading = forward_times.window_reading(records, start, end, MIN_PLAIN_FORWARDS)
+            reading = forward_times.window_reading(records, start, end, MIN_WINDOW_FORWARDS)
             plain = None if reading is None else {"ms": reading[0], "reqs": reading[1], "count": reading[2]}
             fit = None if reading is None else forward_times.window_fit(records, start, end, reading[1],
-                                                                        MIN_PLAIN_FORWARDS)
+                                                                        MIN_WINDOW_FORWARDS)
             if fit is not None:
                 plain.update(fit=[fit[0], fit[1]], context=fit[3], context_range=[fit[2], fit[4]])
             gap = None if reading is None else forward_times.window_gap(records, start, end, reading[1],
-                                                                         MIN_PLAIN_FORWARDS)
+                                                                         MIN_WINDOW_FORWARDS)
             if gap is not None:
                 plain.update(between_ms=gap[0], between_count=gap[1])
             entry["levels"][level]["plain_forward"] = plain
