@@ -340,12 +340,17 @@ def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
     """A first tree step or drafter call that compiles kernels is not counted, and a tree-work price measured too
     high under a moment of load cannot keep drafting out for good: the gate's probes verify trees without that
     price, so it is measured again."""
+    from vllm_treespec.cost.online import MIN_TIMED_CALLS
+
     tokens = np.arange(1, 40)
     budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
     tree = DraftTree(np.array([7, 8]), np.array([-1, 0], np.int32), np.array([0.6, 0.6], np.float32))
     budget.tree_worked(5.0)  # the first tree step compiled the kernels
     budget.drafted(1, 3.0)  # and so did the drafter's first call
     assert budget.tree_work.seconds == 0.0 and budget.drafter_cost.predict(1) is None
+    for _ in range(MIN_TIMED_CALLS - 1):
+        budget.drafted(1, 0.002)
+    assert budget.drafter_cost.predict(1) is None  # too few timings to price it: it drafts, and is timed
     budget.drafted(1, 0.002)
     assert budget.drafter_cost.predict(1) == pytest.approx(0.002)
     for _ in range(3):
@@ -506,6 +511,45 @@ def test_a_never_drafting_verifier_only_observes(monkeypatch):
     assert drafting.propose([[9], [3], [6]])[0]  # the same verifier without it drafts
 
 
+def test_one_slow_timing_does_not_price_a_drafter_out_of_drafting():
+    """A drafter's first call is not counted (it compiles), and its next ones are averaged alike until there are
+    enough to price it: one timing taken while the machine was busy (eagle_tree's head at 11.4 ms against its 7.8 ms)
+    had priced it for a whole run, since a gate that skips its drafts times it again only at its probes. Until then
+    the gate lets it draft, and times it; past 1 / alpha timings the mean is exponentially weighted."""
+    from vllm_treespec.cost.allocate import DraftGate
+    from vllm_treespec.cost.online import CALL_ALPHA, MIN_TIMED_CALLS, CallCost
+
+    calls = CallCost()
+    calls.observe(1, 3.0)  # compiles: not counted
+    calls.observe(1, 0.0114)  # a busy moment
+    assert calls.predict(1) is None
+    for _ in range(MIN_TIMED_CALLS - 1):
+        calls.observe(1, 0.0078)
+    busy = (0.0114 + 0.0078 * (MIN_TIMED_CALLS - 1)) / MIN_TIMED_CALLS
+    assert calls.predict(1) == pytest.approx(busy)  # the plain mean: the busy timing weighs as one of them
+    for _ in range(round(1 / CALL_ALPHA) - MIN_TIMED_CALLS):
+        calls.observe(1, 0.0078)
+    settled = calls.predict(1)
+    assert settled == pytest.approx(0.0078 + (0.0114 - 0.0078) / round(1 / CALL_ALPHA))
+    calls.observe(1, 0.0178)
+    assert calls.predict(1) == pytest.approx(settled + CALL_ALPHA * (0.0178 - settled))  # weighted from here
+
+    # a gate whose drafter has one counted timing, dear enough to lose to plain decoding, still drafts (and is
+    # timed); with as many timings at that price it does not
+    tokens = np.arange(1, 40)
+    cost = StepCostModel(PiecewiseLinear(tokens, 0.02 + 0.001 * tokens))
+    tree = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.5], np.float32))
+    decisions = []
+    for timings in (1, MIN_TIMED_CALLS):
+        timed = CallCost(warmup=0)
+        for _ in range(timings):
+            timed.observe(1, 0.02)
+        gate = DraftGate(cost, SimpleNamespace(predict=timed.predict))
+        gate.record([tree])
+        decisions.append(gate.should_draft(1))
+    assert decisions == [True, False]
+
+
 def test_a_drafters_call_beyond_the_requests_it_was_timed_at_is_priced_per_request():
     """A drafter timed only for one request is not priced at that for sixteen: beyond the largest timed bucket the
     call costs that bucket's seconds per request (graft's calls for 1 request took 2.5 ms and for 16 took 31 ms; a
@@ -514,7 +558,7 @@ def test_a_drafters_call_beyond_the_requests_it_was_timed_at_is_priced_per_reque
     from vllm_treespec.cost.allocate import DraftGate
     from vllm_treespec.cost.online import CallCost
 
-    calls = CallCost(warmup=0)
+    calls = CallCost(warmup=0, min_calls=1)
     assert calls.predict(4) is None
     calls.observe(1, 0.0025)
     assert calls.predict(1) == pytest.approx(0.0025) and calls.predict(16) == pytest.approx(0.040)
@@ -526,7 +570,7 @@ def test_a_drafters_call_beyond_the_requests_it_was_timed_at_is_priced_per_reque
     tokens = np.arange(1, 80)
     cost = StepCostModel(PiecewiseLinear(tokens, 0.1 + 0.0005 * np.maximum(tokens - 16, 0)))
     tree = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.3], np.float32))
-    flat, per_request = CallCost(warmup=0), CallCost(warmup=0)
+    flat, per_request = CallCost(warmup=0, min_calls=1), CallCost(warmup=0, min_calls=1)
     flat.observe(1, 0.0025)
     flat.buckets[4] = 0.0025  # as the flat estimate had it at 16
     per_request.observe(1, 0.0025)

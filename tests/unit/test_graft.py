@@ -720,7 +720,7 @@ def test_a_heads_catch_up_on_rows_of_steps_without_drafts_is_priced_by_neither_g
 
     drafter = CatchingUpDrafter({i: [0.9, 0.9] for i in range(2)})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
-    p.head_cost.warmup = 0
+    p.head_cost.warmup, p.head_cost.min_calls = 0, 1
     ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
     ctx.step_cost = Linear(0.05, 0.001)
     ctx.probing = True  # the head drafts
@@ -779,6 +779,7 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
 
     drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+    p.head_cost.min_calls = 1  # priced from its first counted call (MIN_TIMED_CALLS: the test of CallCost)
     pair = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
     pair.step_cost = Linear(0.05, 0.001)  # cheap tokens
     p.propose_trees(pair)  # no history: it drafts (the CPU table would not, at batch 2) and learns its worth
@@ -816,6 +817,7 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
         p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
                           vocab_size=VOCAB)
         p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), successor_prob))
+        p.head_cost.min_calls = 1
         return p, drafter
 
     def step(p, cost, factor=1.0):

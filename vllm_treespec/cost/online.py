@@ -12,8 +12,14 @@ import numpy as np
 
 #: host-time samples kept; the median of a window ignores the odd idle gap between two batches of requests
 HOST_WINDOW = 64
-#: exponential weight of a new drafter timing
+#: exponential weight of a new drafter timing (its first 1 / CALL_ALPHA timings of a bucket are averaged alike)
 CALL_ALPHA = 0.2
+#: timings a bucket of requests needs before it prices a drafter's calls (before that the drafter counts as not timed,
+#: so the gate lets it draft and be timed): one timing taken while the machine was busy priced eagle_tree's head at
+#: 11.4 ms a call where its other engines' read 7.8, the gate then skipped its drafts, only its probes (every 16-128
+#: steps) timed it again, and 78% of that batch-1 run went plain where drafting paid 1.4x its plain steps (slice CP,
+#: 2026-12-06, docs/benchmarks.md)
+MIN_TIMED_CALLS = 3
 
 
 #: first timings dropped: a first call compiles kernels (numba, torch) and allocates, and can take seconds; kept, it
@@ -59,18 +65,23 @@ def log2_bucket(x: float) -> int:
 
 
 class CallCost:
-    """Seconds per call of a drafter as a function of the requests it drafts for: an exponentially weighted mean
-    per power-of-two bucket of requests, interpolated in log2 between the buckets seen; below the smallest, that
-    bucket's; above the largest, its seconds per request times the requests (a drafter's work is mostly per
-    request: graft's call for 16 requests took 31 ms where its calls for one had taken 2.5, and a flat estimate
-    let the gate draft at 16 on a call it priced at 2.5 ms). The first ``warmup`` calls of a bucket are not
-    counted; None before the first counted call."""
+    """Seconds per call of a drafter as a function of the requests it drafts for: a running mean per power-of-two
+    bucket of requests (the plain mean of its first ``1 / alpha`` timings, then exponentially weighted), interpolated
+    in log2 between the buckets seen; below the smallest, that bucket's; above the largest, its seconds per request
+    times the requests (a drafter's work is mostly per request: graft's call for 16 requests took 31 ms where its
+    calls for one had taken 2.5, and a flat estimate let the gate draft at 16 on a call it priced at 2.5 ms). The
+    first ``warmup`` calls of a bucket are not counted, and a bucket prices calls from its ``min_calls``-th counted
+    one (:data:`MIN_TIMED_CALLS`); None before any bucket does."""
 
-    def __init__(self, alpha: float = CALL_ALPHA, warmup: int = WARMUP_SAMPLES) -> None:
+    def __init__(self, alpha: float = CALL_ALPHA, warmup: int = WARMUP_SAMPLES,
+                 min_calls: int = MIN_TIMED_CALLS) -> None:
         self.alpha = alpha
         self.warmup = warmup
+        self.min_calls = max(1, min_calls)
+        #: the buckets that price calls: seconds per call by bucket
         self.buckets: dict[int, float] = {}
         self._seen: dict[int, int] = {}
+        self._means: dict[int, tuple[float, int]] = {}  # by bucket: (running mean, counted timings)
 
     def observe(self, num_reqs: int, seconds: float) -> None:
         if num_reqs < 1 or not (math.isfinite(seconds) and seconds >= 0):
@@ -79,8 +90,14 @@ class CallCost:
         self._seen[bucket] = self._seen.get(bucket, 0) + 1
         if self._seen[bucket] <= self.warmup:
             return
-        old = self.buckets.get(bucket)
-        self.buckets[bucket] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        mean, count = self._means.get(bucket, (0.0, 0))
+        if bucket in self.buckets:  # the running mean goes on from the bucket's price (a price set directly: settled)
+            mean, count = self.buckets[bucket], count if bucket in self._means else round(1 / self.alpha)
+        count += 1
+        mean += max(self.alpha, 1.0 / count) * (seconds - mean)
+        self._means[bucket] = (mean, count)
+        if count >= self.min_calls or bucket in self.buckets:
+            self.buckets[bucket] = mean
 
     def predict(self, num_reqs: float) -> float | None:
         if not self.buckets:
