@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import numpy as np
 import pytest
@@ -414,6 +415,23 @@ def test_ingest_keeps_the_rows_of_requests_that_do_not_draft_until_they_do(tmp_p
     state = drafter.states["r"]
     assert state.length == 30 and bool(state.written[:30].all()) and state.last_normed is not None
     assert drafter._deferred_rows == 0 and 0 < drafter.catch_up_seconds
+
+
+def test_a_prompts_rows_are_written_once_and_not_priced_as_the_heads_call(tmp_path):
+    """The call after a prefill writes the prompt's rows (all but the committed token's are the prompt's): one-time
+    work, counted in ``catch_up_seconds`` (which neither gate charges to the call's price) like deferred rows. A
+    decode step's rows, one per committed token, are the call's own."""
+    drafter, seq, aux = drafter_on_random_sequence(tmp_path, seed=7, length=80, depth=3, top_k=3)
+    ctx = draft_context(seq, aux, 0, 60, sampled=[int(seq[60])])
+    started = time.perf_counter()
+    assert drafter.ingest(ctx) == [0]
+    elapsed = time.perf_counter() - started
+    prompt = drafter.catch_up_seconds
+    assert 0 < prompt < elapsed
+    ctx = draft_context(seq, aux, 60, 62, sampled=[int(seq[61]), int(seq[62])])  # two committed tokens, two rows
+    assert drafter.ingest(ctx) == [0]
+    assert drafter.catch_up_seconds < 0.05 * prompt  # nothing written but the call's own rows (microseconds of
+    # bookkeeping for the requests that do not draft are counted with the catch-up)
 
 
 def test_the_rows_a_request_left_are_priced_at_the_measured_cost_of_a_written_row(tmp_path):

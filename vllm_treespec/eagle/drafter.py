@@ -122,8 +122,8 @@ class EagleDrafter:
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
         self._deferred_rows = 0  # rows in _deferred
         self._deferred_count: dict[str, int] = {}  # rows in _deferred, by request
-        #: seconds the last ingest spent writing rows deferred from earlier steps (their share of its batched write):
-        #: work the steps that did not draft left, not a price of this step's drafts
+        #: seconds the last ingest spent writing rows deferred from earlier steps and a prefill's prompt rows (their
+        #: share of its batched write): work written once per row, not a price of this step's drafts
         self.catch_up_seconds = 0.0
         #: seconds a written row costs (its K/V through the head's layer inputs), a running mean over batched writes
         #: of ROW_PRICE_MIN_ROWS rows or more; None before one: prices a draft's catch-up (backlog_seconds)
@@ -356,7 +356,8 @@ class EagleDrafter:
         ``requests``; None: of every request in ``ctx``) in one batch through the head's layer inputs, a request's
         consecutive segments as one write. Returns the head's hidden rows and queries at the last row of the current
         segments of batch rows ``asked`` (the rows :meth:`ingest` attends from), in that order; queries of the other
-        rows are never computed. Sets :attr:`catch_up_seconds` to the deferred rows' share of its time."""
+        rows are never computed. Sets :attr:`catch_up_seconds` to the share of its time of the deferred rows and of
+        a prefill's rows beyond the token it committed."""
         started = time.perf_counter()
         row_of = {req_id: i for i, req_id in enumerate(ctx.req_ids)}
         current_of = {ctx.req_ids[segment[0]]: segment for segment in current}
@@ -372,7 +373,13 @@ class EagleDrafter:
             pieces += deferred
             if req_id in current_of:
                 current_piece[req_id] = len(pieces)
-                pieces.append(current_of[req_id])
+                segment = current_of[req_id]
+                pieces.append(segment)
+                # rows beyond the tokens the step committed are a prefill's (the prompt): written once per request,
+                # so not a price of drafting calls. Priced as one, the 949-2152 rows of long prompts (25-148 ms)
+                # had moved the head's price per call by a fifth of that and kept it from drafting for hundreds of
+                # steps after (slice CQ, docs/benchmarks.md)
+                caught_up += max(0, len(segment[3]) - len(ctx.sampled_token_ids[segment[0]]))
         self.catch_up_seconds = 0.0
         if not pieces:
             return None, None
