@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from vllm_treespec.tools import bench
@@ -154,16 +155,50 @@ def test_an_engines_speed_is_read_from_its_plain_forwards_once_it_ran_enough_of_
 
         def collective_rpc(self, fn, kwargs):
             self.asked.append(kwargs)
-            return [{1: (18.5, self.count), 4: (30.0, 100)}]
+            return [{1: [(18.5, 300)] * self.count, 4: [(30.0, 1200)] * 100}]
 
-    assert bench.plain_forward_ms(Engine(bench.MIN_PLAIN_FORWARDS), 1) == 18.5
-    assert bench.plain_forward_ms(Engine(6), 4) == 30.0
-    assert bench.plain_forward_ms(Engine(bench.MIN_PLAIN_FORWARDS - 1), 1) is None
-    assert bench.plain_forward_ms(Engine(100), 2) is None  # no forward of 2 requests
+    assert bench.plain_forwards(Engine(bench.MIN_PLAIN_FORWARDS), 1) == [(18.5, 300)] * bench.MIN_PLAIN_FORWARDS
+    assert bench.plain_forwards(Engine(6), 4) == [(30.0, 1200)] * 100
+    assert bench.plain_forwards(Engine(bench.MIN_PLAIN_FORWARDS - 1), 1) is None
+    assert bench.plain_forwards(Engine(100), 2) is None  # no forward of 2 requests
     assert bench.MIN_PLAIN_FORWARDS <= 6
     engine = Engine(50)
-    bench.plain_forward_ms(engine, 1, reset=True)
-    assert engine.asked == [{"reset": True}]
+    bench.plain_forwards(engine, 1, reset=True)
+    assert engine.asked == [{"reset": True, "contexts": True}]
+
+
+def test_engines_compare_at_one_context_whichever_steps_their_gates_left_plain():
+    """A plain forward's time grows with its context, and a tree engine's gate picks which steps run plain. Two
+    engines of one speed (20 ms + 3 ms per 1000 tokens), one whose plain forwards were the long-context steps, read
+    alike; their medians did not (27.5 against 20.9 ms). A faster engine stays faster by its own margin, and a
+    reading without contexts falls back to its median."""
+    rng = np.random.default_rng(0)
+
+    def engine(base, contexts):
+        return [(base + 3.0 * c / 1000 + float(rng.normal(0, 0.05)), int(c)) for c in contexts]
+
+    short, long = np.linspace(100, 500, 40), np.linspace(2000, 3000, 40)
+    readings = [engine(20.0, short), engine(20.0, long), engine(16.0, np.concatenate([short, long])), None,
+                [(25.0, None)] * 5]
+    speeds, context, slope = bench.engine_speeds(readings)
+    assert slope == pytest.approx(3.0, abs=0.05)
+    assert speeds[0] == pytest.approx(speeds[1], abs=0.1)
+    assert speeds[0] - speeds[2] == pytest.approx(4.0, abs=0.1)
+    assert speeds[0] == pytest.approx(20.0 + 3.0 * context / 1000, abs=0.1)
+    assert speeds[3] is None and speeds[4] == 25.0
+    assert np.median([ms for ms, _ in readings[1]]) - np.median([ms for ms, _ in readings[0]]) > 5
+
+    # summarize moves each repeat's forwards to that context before scaling its tok/s
+    out = {"code": {1: [[1]]}}
+    none = _result("none", "none", [10.0, 10.0], out)
+    none.plain_forwards = [engine(20.0, short), engine(20.0, short)]
+    tree = _result("st", "suffix_tree", [20.0, 20.0], out)
+    tree.plain_forwards = [engine(20.0, long), engine(20.0, long)]  # as fast, its plain steps the long ones
+    rows = {(r["method"], r["category"]): r for r in bench.summarize([none, tree], temperature=0.0)}
+    overall = rows[("st", "overall")]
+    assert overall["normalised_speedup"] == pytest.approx(2.0, rel=0.01)  # their medians would say 2.6x
+    assert overall["plain_forward_ms_per_1000_context"] == pytest.approx(3.0, abs=0.05)
+    assert "tokens of context (moved along 2.9" in bench.format_table(list(rows.values()))
 
 
 def test_no_lossless_check_when_sampling():

@@ -41,6 +41,26 @@ def test_only_plain_decode_forwards_on_cpu_are_timed_by_requests(monkeypatch):
     assert forward_times.read_forward_times() == {}
 
 
+def test_each_plain_forward_is_read_with_its_context(monkeypatch):
+    """``contexts=True``: every plain forward's ms with its requests' summed sequence lengths (positions + 1 each;
+    None without 1-D positions), for a bench that compares engines at one context."""
+    clock = [0.0]
+    monkeypatch.setattr(forward_times.time, "perf_counter", lambda: clock[-1])
+    forward_times.read_forward_times(reset=True)
+    two = FakeRunner("cpu", 2)
+
+    def original(self, input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs):
+        clock.append(clock[-1] + 0.020)
+        return input_ids
+
+    forward_times.model_forward(original, two, input_ids=torch.zeros(2, dtype=torch.long),
+                                positions=torch.tensor([99, 199]))
+    _forward(two, 2, clock, 0.030)  # no positions
+    reading = forward_times.read_forward_times(reset=True, contexts=True)
+    assert reading == {2: [(pytest.approx(20.0), 300), (pytest.approx(30.0), None)]}
+    assert forward_times.read_forward_times(contexts=True) == {}
+
+
 def test_the_timer_is_off_unless_a_benchmark_asks(monkeypatch, tmp_path):
     monkeypatch.delenv(forward_times.FORWARD_TIMES_ENV, raising=False)
     monkeypatch.delenv(forward_times.FORWARD_TIMES_FILE_ENV, raising=False)

@@ -34,8 +34,9 @@ FORWARD_TIMES_ENV = "VLLM_TREESPEC_FORWARD_TIMES"
 FORWARD_TIMES_FILE_ENV = "VLLM_TREESPEC_FORWARD_TIMES_FILE"
 MODEL_FORWARD_PARAMS = ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs")
 
-#: requests in the forward -> seconds of each plain decode forward of this process since the last reset
-_seconds: dict[int, list[float]] = {}
+#: requests in the forward -> (seconds, the requests' summed sequence lengths or None) of each plain decode forward
+#: of this process since the last reset
+_seconds: dict[int, list[tuple[float, int | None]]] = {}
 
 
 #: [this process's trace file, or None without VLLM_TREESPEC_FORWARD_TIMES_FILE], opened at its first plain forward
@@ -69,20 +70,27 @@ def model_forward(original, self, input_ids=None, positions=None, intermediate_t
     seconds = time.perf_counter() - started
     num_reqs = int(self.input_batch.num_reqs)
     if num_reqs > 0 and _forward_tokens(input_ids, inputs_embeds) == num_reqs:
-        _seconds.setdefault(num_reqs, []).append(seconds)
+        # each request's sequence length is its position + 1 (M-RoPE's 2-D positions: not recorded)
+        context = None if positions is None or positions.dim() != 1 else int(positions[:num_reqs].sum()) + num_reqs
+        _seconds.setdefault(num_reqs, []).append((seconds, context))
         sink = _trace_file()
         if sink is not None:
-            # each request's sequence length is its position + 1 (M-RoPE's 2-D positions: not recorded)
-            context = "" if positions is None or positions.dim() != 1 else \
-                f" {int(positions[:num_reqs].sum()) + num_reqs}"
-            sink.write(f"{time.time() - seconds:.6f} {num_reqs} {seconds * 1e3:.4f}{context}\n")
+            sink.write(f"{time.time() - seconds:.6f} {num_reqs} {seconds * 1e3:.4f}"
+                       f"{'' if context is None else f' {context}'}\n")
     return output
 
 
-def read_forward_times(worker: Any = None, reset: bool = False) -> dict[int, tuple[float, int]]:
+def read_forward_times(worker: Any = None, reset: bool = False, contexts: bool = False
+                       ) -> dict[int, tuple[float, int]] | dict[int, list[tuple[float, int | None]]]:
     """For ``LLM.collective_rpc``: requests -> (median ms, count) of this process's plain decode forwards since the
-    last reset (``reset``: start counting again after this reading)."""
-    reading = {reqs: (1e3 * statistics.median(times), len(times)) for reqs, times in _seconds.items() if times}
+    last reset (``reset``: start counting again after this reading); with ``contexts``, requests -> (ms, the
+    requests' summed sequence lengths or None) of each of them instead."""
+    if contexts:
+        reading = {reqs: [(1e3 * seconds, context) for seconds, context in forwards]
+                   for reqs, forwards in _seconds.items() if forwards}
+    else:
+        reading = {reqs: (1e3 * statistics.median(seconds for seconds, _ in forwards), len(forwards))
+                   for reqs, forwards in _seconds.items() if forwards}
     if reset:
         _seconds.clear()
     return reading

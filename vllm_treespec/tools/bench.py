@@ -18,9 +18,11 @@ no speculation always runs first as the baseline. Per category and overall it re
 * norm. speedup: the same ratio with every engine brought to one speed. Engines of one configuration started
   minutes apart run up to a third apart on a small shared CPU, for their whole life, so three engines per method
   resolve a ratio to about +-15%. Each engine's worker times its plain forwards (one token per request, whatever
-  the method: :mod:`vllm_treespec.patches.forward_times`) during the timed runs; each run's tok/s is scaled by its
-  engine's median plain forward over the median of the invocation's engines, and the medians over repeats are
-  compared as for speedup (a CPU engine at batch size 1 to 8 or so; none where an engine ran too few plain steps);
+  the method: :mod:`vllm_treespec.patches.forward_times`) during the timed runs, with its context; each run's tok/s
+  is scaled by its engine's plain forward at one context over the median of the invocation's engines, and the
+  medians over repeats are compared as for speedup (a CPU engine at batch size 1 to 8 or so; none where an engine
+  ran too few plain steps). One context, because a tree engine's gate chooses which steps run plain: one that left
+  the long-context steps plain had looked slow by its median (:func:`engine_speeds`);
 * identical: prompts whose greedy output is token-identical to the baseline's, every turn (temperature 0 only; an
   exactness check in fp32 only: in bf16 a batched forward can round differently from a one-token one).
 
@@ -47,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence, TypeVar
+
+import numpy as np
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
@@ -370,8 +374,11 @@ class MethodResult:
     engine_start_s: list[float] = field(default_factory=list)
     #: per repeat, the engine's budget trace summarised (:func:`vllm_treespec.cost.trace.summarize`), when it wrote one
     budget: list[dict[str, Any]] = field(default_factory=list)
-    #: per repeat (one per entry of ``repeats``), the engine's median plain forward in ms (:func:`plain_forward_ms`),
-    #: None where it has none
+    #: per repeat (one per entry of ``repeats``), the engine's plain forwards, (ms, context) each
+    #: (:func:`plain_forwards`), None where it ran too few
+    plain_forwards: list[list[tuple[float, int | None]] | None] = field(default_factory=list)
+    #: per repeat, the engine's plain forward in ms at the invocation's one context (:func:`engine_speeds`, from
+    #: ``plain_forwards``), None where it has none
     plain_forward_ms: list[float | None] = field(default_factory=list)
 
 
@@ -429,20 +436,51 @@ def build_llm(model: str, spec: MethodSpec, args: argparse.Namespace):
 MIN_PLAIN_FORWARDS = 5
 
 
-def plain_forward_ms(llm, num_reqs: int, reset: bool = False) -> float | None:
-    """The median ms of the engine's plain forwards of ``num_reqs`` requests since the last reset
-    (:func:`~vllm_treespec.patches.forward_times.read_forward_times` in its worker); None, with one line, where it
-    cannot be read or ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
+def plain_forwards(llm, num_reqs: int, reset: bool = False) -> list[tuple[float, int | None]] | None:
+    """The engine's plain forwards of ``num_reqs`` requests since the last reset, (ms, the requests' summed sequence
+    lengths or None) each (:func:`~vllm_treespec.patches.forward_times.read_forward_times` in its worker); None, with
+    one line, where they cannot be read, or where it ran fewer than :data:`MIN_PLAIN_FORWARDS` of them."""
     from vllm_treespec.patches.forward_times import read_forward_times
 
     try:
-        reading = llm.collective_rpc(read_forward_times, kwargs={"reset": reset})[0]
+        reading = llm.collective_rpc(read_forward_times, kwargs={"reset": reset, "contexts": True})[0]
     except Exception as e:  # noqa: BLE001 - a reading is optional: the raw speedup stands without it
         print(f"bench: cannot read the engine's forward times ({type(e).__name__}: {e}); no norm. speedup",
               file=sys.stderr)
         return None
-    median_ms, count = reading.get(num_reqs, (None, 0))
-    return median_ms if count >= MIN_PLAIN_FORWARDS else None
+    forwards = reading.get(num_reqs, [])
+    return [(float(ms), context) for ms, context in forwards] if len(forwards) >= MIN_PLAIN_FORWARDS else None
+
+
+def engine_speeds(readings: list[list[tuple[float, int | None]] | None]) -> tuple[list[float | None], float | None,
+                                                                                   float]:
+    """Each engine's plain forward in ms at one context: (per reading, that context, ms per 1000 tokens of context).
+
+    A plain forward's time grows with its context (every row attends to its request's whole sequence), and a tree
+    engine's gate chooses which steps run plain: one that drafted on the short-context steps and left the long ones
+    plain looked slower by its median than an engine of the same speed (CQ, docs/benchmarks.md: ``eagle_tree``'s
+    20.6-22.4 ms against 17.3-18.0). The slope is the model's, dtype's and machine's, one for every engine of the
+    invocation: fitted on all of them at once, each about its own mean (so an engine's speed does not enter it);
+    each engine's speed is then the median of its forwards moved along that slope to the median context of all
+    of them. Readings without contexts (or all at one) fall back to their median; None stays None."""
+    points = [np.array(r, np.float64) for r in readings
+              if r and all(context is not None for _, context in r)]
+    slope, reference = 0.0, None
+    if points:
+        times = np.concatenate([p[:, 0] - p[:, 0].mean() for p in points])
+        contexts = np.concatenate([p[:, 1] - p[:, 1].mean() for p in points])
+        spread = float(np.dot(contexts, contexts))
+        slope = max(float(np.dot(contexts, times)) / spread, 0.0) if spread > 0 else 0.0
+        reference = float(np.median(np.concatenate([p[:, 1] for p in points])))
+    speeds: list[float | None] = []
+    for r in readings:
+        if not r:
+            speeds.append(None)
+        elif reference is None or any(context is None for _, context in r):
+            speeds.append(float(np.median([ms for ms, _ in r])))
+        else:
+            speeds.append(float(np.median([ms - slope * (context - reference) for ms, context in r])))
+    return speeds, reference, slope * 1000.0
 
 
 def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str, list[dict]],
@@ -478,7 +516,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
                                                    add_generation_prompt=True)
             llm.generate([warmup] * max(args.batch_size, 1), SamplingParams(temperature=0, max_tokens=32),
                          use_tqdm=False)
-            plain_forward_ms(llm, 1, reset=True)  # the engine's speed counts from here
+            plain_forwards(llm, 1, reset=True)  # the engine's speed counts from here
             runs: dict[str, CategoryRun] = {}
             for category, qs in questions.items():
                 if progress is not None:
@@ -488,7 +526,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
                 if repeat == 0:
                     result.outputs[category] = outputs
             result.repeats.append(runs)
-            result.plain_forward_ms.append(plain_forward_ms(llm, max(args.batch_size, 1)))
+            result.plain_forwards.append(plain_forwards(llm, max(args.batch_size, 1)))
     finally:
         del llm
         gc.collect()
@@ -527,7 +565,7 @@ def run_round_robin(model: str, tokenizer, specs: list[MethodSpec], questions: d
                     print(f"bench: {result.spec.label} failed: {type(e).__name__}: {e}", file=sys.stderr)
                     result.status, result.reason = "failed", f"{type(e).__name__}: {e}"
                     result.repeats.clear()
-                    result.plain_forward_ms.clear()
+                    result.plain_forwards.clear()
     return results
 
 
@@ -565,6 +603,12 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
         return [rep[category] for rep in result.repeats if category in rep]
 
     base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
+    timed = [r for r in results if r.status == "ok" and r.plain_forwards]
+    context = slope = None
+    if timed:  # every engine's speed at one context (results built without forwards keep their plain_forward_ms)
+        speeds, context, slope = engine_speeds([f for r in timed for f in r.plain_forwards])
+        for r in timed:
+            r.plain_forward_ms, speeds = speeds[: len(r.plain_forwards)], speeds[len(r.plain_forwards):]
     readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms if ms]
     reference_ms = _median(readings) if readings else None
 
@@ -603,6 +647,8 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
                 "tok_per_s_repeats": [r.tok_per_s for r in runs],
                 "speedup": speed / base_speed[category] if base_speed.get(category) else None,
                 "plain_forward_ms_repeats": list(result.plain_forward_ms),
+                **({"plain_forward_context": context, "plain_forward_ms_per_1000_context": slope}
+                   if context is not None else {}),
                 "normalised_tok_per_s": normalised,
                 "normalised_speedup": normalised / base_normalised[category]
                 if normalised is not None and base_normalised.get(category) else None,
@@ -678,7 +724,10 @@ def format_table(rows: list[dict[str, Any]], positions: int = 4, dtype: str = "f
     readings = [ms for row in rows if row["status"] == "ok" and row["category"] == OVERALL
                 for ms in row.get("plain_forward_ms_repeats") or [] if ms]
     if readings:
-        notes.append("norm. speedup: each run's tok/s x its engine's median plain forward / the median engine's "
+        at = next((row for row in rows if row.get("plain_forward_context") is not None), None)
+        where = "" if at is None else (f" at {at['plain_forward_context']:.0f} tokens of context (moved along "
+                                       f"{at['plain_forward_ms_per_1000_context']:.2f} ms per 1000)")
+        notes.append(f"norm. speedup: each run's tok/s x its engine's plain forward{where} / the median engine's "
                      f"({_median(readings):.1f} ms; engines {min(readings):.1f}-{max(readings):.1f} ms)")
     if dtype != "float32" and any(row.get("lossless") for row in rows):
         notes.append(f"identical: informational in {dtype} (batched and one-token forwards may round differently); "
