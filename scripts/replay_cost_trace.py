@@ -140,32 +140,48 @@ def errors(rows: list[tuple[float, float, bool]]) -> tuple[float | None, float |
 REQUEST_RANGES = ((1, 2), (3, 4), (5, 8), (9, 16), (17, 1 << 30))
 
 
-def by_requests(steps: list[Step], rows: list[tuple[float, float | None, float, bool]]) -> str:
+def by_requests(steps: list[Step], rows: list[tuple[float, float | None, float, bool]],
+                pooled: dict[str, list[tuple[float, float | None, float]]] | None = None) -> str:
     """Median errors (traced / replayed) over the verifying steps of each range of requests, steps in brackets
-    (``rows``: :func:`replay`'s, one per :func:`timed` step)."""
-    return _by_ranges(steps, rows, lambda step: step.reqs, REQUEST_RANGES)
+    (``rows``: :func:`replay`'s, one per :func:`timed` step); each range's steps are also added to ``pooled``."""
+    return _by_ranges(steps, rows, lambda step: step.reqs, REQUEST_RANGES, pooled)
 
 
 #: ranges of --by-context: a step's context term per row (positions beyond the curve's context, on average)
 CONTEXT_RANGES = ((-(1 << 30), -1), (0, 199), (200, 399), (400, 799), (800, 1 << 30))
 
 
-def by_context(model: StepCostModel, steps: list[Step], rows: list[tuple[float, float | None, float, bool]]) -> str:
+def by_context(model: StepCostModel, steps: list[Step], rows: list[tuple[float, float | None, float, bool]],
+               pooled: dict[str, list[tuple[float, float | None, float]]] | None = None) -> str:
     """As :func:`by_requests`, by the step's context term per row (:func:`excess_of` over its tokens): a model whose
     context slope misfits prices long-context steps off in one direction and short ones in the other."""
-    return _by_ranges(steps, rows, lambda step: excess_of(model, step) / step.tokens, CONTEXT_RANGES)
+    return _by_ranges(steps, rows, lambda step: excess_of(model, step) / step.tokens, CONTEXT_RANGES, pooled)
+
+
+def _range_name(low: int, high: int) -> str:
+    return f"{low}+" if high >= 1 << 30 else f"<{high + 1}" if low <= -(1 << 30) else f"{low}-{high}"
 
 
 def _by_ranges(steps: list[Step], rows: list[tuple[float, float | None, float, bool]], value,
-               ranges: tuple[tuple[int, int], ...]) -> str:
-    parts = []
+               ranges: tuple[tuple[int, int], ...],
+               pooled: dict[str, list[tuple[float, float | None, float]]] | None = None) -> str:
+    picked_by_range = {}
     for low, high in ranges:
         picked = [(r, t, m) for step, (r, t, m, v) in zip(timed(steps), rows) if v and low <= value(step) < high + 1]
         if picked:
-            traced = statistics.median(t / m - 1 for _, t, m in picked) if all(t for _, t, _ in picked) else None
-            replayed = statistics.median(r / m - 1 for r, _, m in picked)
-            name = f"{low}+" if high >= 1 << 30 else f"<{high + 1}" if low <= -(1 << 30) else f"{low}-{high}"
-            parts.append(f"{name}: {percent(traced).strip()} / {percent(replayed).strip()} ({len(picked)})")
+            picked_by_range[_range_name(low, high)] = picked
+            if pooled is not None:
+                pooled.setdefault(_range_name(low, high), []).extend(picked)
+    return ranges_summary(picked_by_range)
+
+
+def ranges_summary(picked_by_range: dict[str, list[tuple[float, float | None, float]]]) -> str:
+    """Per range: its traced / replayed median error and its steps in brackets, from (replayed, traced, measured) ms."""
+    parts = []
+    for name, picked in picked_by_range.items():
+        traced = statistics.median(t / m - 1 for _, t, m in picked) if all(t for _, t, _ in picked) else None
+        replayed = statistics.median(r / m - 1 for r, _, m in picked)
+        parts.append(f"{name}: {percent(traced).strip()} / {percent(replayed).strip()} ({len(picked)})")
     return ", ".join(parts) or "none"
 
 
@@ -192,6 +208,8 @@ def main() -> None:
     paths = sorted({p for pattern in args.traces for p in (glob.glob(pattern) or [pattern])
                     if not p.endswith(trace.RECORD_SUFFIX)})
     traced_all, replayed_all = [], []
+    pooled_requests: dict[str, list[tuple[float, float | None, float]]] = {}
+    pooled_context: dict[str, list[tuple[float, float | None, float]]] = {}
     print(f"{'trace':44} {'traced: plain / verifying / |all|':>36}   {'replayed: plain / verifying / |all|':>38}")
     for path in paths:
         steps = traced_steps(path)
@@ -208,11 +226,20 @@ def main() -> None:
         print(f"{path[-44:]:44} {'  /  '.join(percent(e) for e in traced):>36}   "
               f"{'  /  '.join(percent(e) for e in replayed):>38}")
         if args.by_requests:
-            print("    verifying steps by requests, traced / replayed: " + by_requests(steps, rows))
+            print("    verifying steps by requests, traced / replayed: " + by_requests(steps, rows, pooled_requests))
         if args.by_context:
-            print("    verifying steps by context per row, traced / replayed: " + by_context(model, steps, rows))
+            print("    verifying steps by context per row, traced / replayed: "
+                  + by_context(model, steps, rows, pooled_context))
     if not traced_all:
         return
+    # a served level's 5-8 and 9-16 request buckets see a few dozen verifying steps a trace: pooled over the traces
+    # (rounds of one slice), each bucket's median error rests on more than one round's handful
+    if args.by_requests and len(traced_all) > 1:
+        print(f"all {len(traced_all)} traces, verifying steps by requests, traced / replayed: "
+              + ranges_summary(pooled_requests))
+    if args.by_context and len(traced_all) > 1:
+        print(f"all {len(traced_all)} traces, verifying steps by context per row, traced / replayed: "
+              + ranges_summary(pooled_context))
     for name, results in (("traced", traced_all), ("replayed", replayed_all)):
         verifying = [abs(r[1]) for r in results if r[1] is not None]
         plain = [abs(r[0]) for r in results if r[0] is not None]

@@ -119,6 +119,11 @@ def test_by_context_splits_verifying_steps_by_their_context_per_row(tmp_path):
     steps = script.traced_steps(str(path))
     rows = script.replay(model, steps)
     assert script.by_context(model, steps, rows) == "0-199: +0.0% / +0.0% (10), 800+: -16.7% / -16.7% (10)"
+    # pooled over traces (the rounds of one slice): each range's median over all their steps
+    pooled = {}
+    script.by_context(model, steps, rows, pooled)
+    script.by_context(model, steps[:20], rows[:20], pooled)
+    assert script.ranges_summary(pooled) == "0-199: +0.0% / +0.0% (20), 800+: -16.7% / -16.7% (10)"
 
 
 def test_the_replay_prices_each_sequence_once_as_the_engine_did(tmp_path):
