@@ -232,10 +232,6 @@ class ProposeContext:
         plus one (None as for ``useful_depth``): a drafter whose cost grows with its tree's width (an EAGLE head
         expands up to ``min(top_k, budget)`` nodes a request at each level) grows no more than that
         (:attr:`useful_max_nodes`). An allocation that admits more raises it; a probe drafts in full.
-    remaining_tokens: per row, the most tokens the request can still commit after this step (its ``max_tokens``
-        and the engine's ``max_model_len``), when the verifier knows them (None: not known). A catch-up is paid once
-        and drafting for its requests then goes on without it, so the gates spread it over the steps they have left
-        (:func:`vllm_treespec.cost.allocate.catch_up_steps`).
     deferred_seconds: set by a proposer whose drafter caught up on this call with work the steps that did not draft
         left it (an EAGLE head writing their rows' K/V): seconds neither gate charges to this call's measured cost,
         since drafting for those requests at any later step would pay them too; the gates price them before the call
@@ -261,7 +257,6 @@ class ProposeContext:
     draft_rows: np.ndarray | None = None
     self_gated_seconds: float = 0.0
     deferred_seconds: float = 0.0
-    remaining_tokens: np.ndarray | None = None
     useful_depth: int | None = None
     useful_nodes: int | None = None
 
@@ -374,8 +369,7 @@ class TreeProposer:
     def catch_up_price(self, ctx: ProposeContext, rows: Sequence[int]) -> float:
         """Seconds a call drafting for batch rows ``rows`` would first spend on work the steps it only observed
         left (an EAGLE head writing their rows' K/V, deferred by :meth:`observe`). The step budget's gate adds it to
-        the call's measured price, spread over the steps those requests have left (it is paid once; drafting then
-        goes on without it), and a probe pays it in full out of its allowance: after a long spell without drafts,
+        the call's measured price, and a probe pays it out of its allowance: after a long spell without drafts,
         resuming costs more than one call. Default: 0 (nothing deferred)."""
         return 0.0
 

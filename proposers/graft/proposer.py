@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, VerificationResult
-from vllm_treespec.cost.allocate import DraftGate, catch_up_steps
+from vllm_treespec.cost.allocate import DraftGate
 from vllm_treespec.cost.online import CallCost
 from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, DEFAULT_MODEL_DRAFT_MAX_BATCH, device_kind
 from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
@@ -182,7 +182,7 @@ class GraftProposer(TreeProposer):
         retrieval_best = None if self.retrieval_gate.gains is None else \
             self.retrieval_gate.expected_best(num_drafting, budget, row_excess=excess)[0]
         return self.head_gate.should_draft(num_drafting, budget, row_excess=excess, extra_seconds=backlog,
-                                           rival_rate=retrieval_best, catch_up_steps=self._catch_up_steps(ctx, rows))
+                                           rival_rate=retrieval_best)
 
     def unmatched_head_drafts(self, ctx: ProposeContext, budget: int, unmatched: list[int]) -> bool:
         """Whether the head drafts, on a step its own gate kept it out, for the ``unmatched`` rows (requests no
@@ -197,12 +197,7 @@ class GraftProposer(TreeProposer):
             return False
         backlog = self.drafter.backlog_seconds([ctx.req_ids[i] for i in unmatched])
         return self._unmatched_gate(ctx).should_draft(len(unmatched), budget, row_excess=self._mean_row_excess(
-            ctx, unmatched), extra_seconds=backlog, catch_up_steps=self._catch_up_steps(ctx, unmatched))
-
-    @staticmethod
-    def _catch_up_steps(ctx: ProposeContext, rows: list[int]) -> float:
-        """The steps the head's catch-up for ``rows`` is priced over, as the verifier's gate prices it."""
-        return catch_up_steps(None if ctx.remaining_tokens is None else ctx.remaining_tokens[rows])
+            ctx, unmatched), extra_seconds=backlog)
 
     def _above_batch_cap(self, ctx: ProposeContext) -> bool:
         """An explicit ``model_draft_max_batch`` keeps the head out of larger batches, whatever its gates say."""

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_treespec.api import DraftTree
-from vllm_treespec.cost.allocate import (CATCH_UP_MAX_STEPS, DraftGate, allocate, catch_up_steps, is_ancestor_closed,
-                                         path_probs, path_products, trim)
+from vllm_treespec.cost.allocate import DraftGate, allocate, is_ancestor_closed, path_probs, path_products, trim
 from vllm_treespec.cost.model import PiecewiseLinear, StepCostModel
 
 
@@ -533,42 +532,6 @@ def test_a_catch_up_is_priced_with_the_call_and_paid_out_of_a_probes_allowance()
     # with a 30 ms catch-up after 65
     assert 14 <= first_probe(0.0) <= 16
     assert 64 <= first_probe(0.030) <= 66
-
-
-def test_a_catch_up_is_paid_once_so_it_is_priced_over_the_steps_its_requests_have_left():
-    """A catch-up (``extra_seconds``) is paid once and drafting then goes on without it: spread over
-    ``catch_up_steps`` steps it is a small price per step, and trees that pay a little more than their call draft after
-    a long spell without drafts. A probe still pays it in full out of its allowance; requests about to end spread it
-    over their few steps; without a limit known (None) it is priced into one step."""
-
-    class Drafter:
-        def predict(self, x):
-            return 0.003
-
-    gate = DraftGate(MIDDLE, Drafter())
-    gate.record([star([0.9, 0.9])])
-    # 400 ms of writes: not in one step (a 60 ms plain step, 1.8 tokens more for 15 ms of verification and call)...
-    assert not gate.should_draft(1, extra_seconds=0.4)
-    # ...but over 32 steps (12.5 ms a step) the trees pay; over 4 (100 ms a step) they do not
-    assert gate.should_draft(1, extra_seconds=0.4, catch_up_steps=32)
-    assert not gate.should_draft(1, extra_seconds=0.4, catch_up_steps=4)
-
-    assert catch_up_steps(None) == 1.0 and catch_up_steps(np.array([], np.int64)) == 1.0
-    assert catch_up_steps(np.array([1])) == 1.0  # never less than the step it is paid on
-    assert catch_up_steps(np.array([20])) == 10.0  # two tokens a drafting step
-    assert catch_up_steps(np.array([1000, 4000])) == CATCH_UP_MAX_STEPS  # a gate may stop drafting again
-    assert catch_up_steps(np.array([2, 20, 40])) == 10.0  # the median request's
-
-    def first_probe(**spread):
-        probing = DraftGate(MIDDLE, Drafter(), probe_every=4)
-        probing.record([star([0.05])])  # worth nothing at any spread: every step skips until a probe
-        for step in range(200):
-            if probing.should_draft(1, extra_seconds=0.030, **spread):
-                assert probing.probing
-                return step
-        return None
-
-    assert 64 <= first_probe() <= 66 and 64 <= first_probe(catch_up_steps=32) <= 66  # the allowance pays it all
 
 
 def test_the_gate_prices_trees_at_the_verifiers_expectation_correction():

@@ -12,8 +12,6 @@ import pytest
 import torch
 from fake_runner import FakeProposer, FakeRequest, fake_runner, recording_layer, schedule
 
-from vllm.sampling_params import SamplingParams
-
 from vllm_treespec.api import DraftTree
 from vllm_treespec.attn import plan
 from vllm_treespec.cost.budget import StepBudget, budget_report, install_budget
@@ -111,33 +109,6 @@ def test_the_gate_prices_the_proposers_catch_up_with_its_call():
         assert asked[-1] == [0, 1, 2]
     assert decisions == [True, False]
     assert len(proposer.observed) == 1 and verifier.budget.stats["skipped_drafts"] == 1
-
-
-def test_the_gate_spreads_a_catch_up_over_the_steps_the_requests_have_left():
-    """The verifier tells the proposer how many tokens each request can still commit (``ctx.remaining_tokens``:
-    its ``max_tokens``, the engine's ``max_model_len``) and its gate spreads the catch-up over their steps: 100 ms of
-    catch-up does not pay in one step, but over the ~13 steps of requests with 27 tokens left it does; requests
-    with two tokens left pay it in one step and only observe."""
-    decisions, spreads = [], []
-    for max_tokens in (64, 3):
-        verifier = verifier_with(lambda t: 0.05 + 0.002 * (t - 1), {"a": SCORED})
-        for request in verifier.runner.requests.values():
-            request.sampling_params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        proposer, should_draft = verifier.proposer, verifier.budget.should_draft
-        proposer.catch_up_price = lambda ctx, rows: 0.1
-        verifier.budget.should_draft = lambda *a, **kw: spreads.append(kw["catch_up_steps"]) or should_draft(*a, **kw)
-        drafts = verifier.propose([[9], [3], [6]])
-        assert drafts[0]  # nothing known yet: it drafts, and learns what the trees are worth
-        scheduler_output, num_scheduled = schedule(verifier.runner, {"a": drafts[0]})
-        verifier.attach(scheduler_output, num_scheduled)
-        plan.publish(None)
-        decisions.append(bool(verifier.propose([[10, 12, 7], [3], [6]])[0]))
-    # a: 8 of 32 tokens after this step's three, one output so far; b and c: 4 tokens of 32, one output
-    # the fake batch keeps its tokens (5, 3 and 2, one output each): max_model_len (32) leaves 27, 29 and 30 tokens,
-    # max_tokens 3 leaves 2 each
-    assert [list(c.remaining_tokens) for c in (proposer.contexts + proposer.observed)][-1] == [2, 2, 2]
-    assert spreads == [14.5, 14.5, 1.0, 1.0]  # the median's steps at two tokens a step, at least one
-    assert decisions == [True, False]
 
 
 def test_forward_times_refine_the_model(monkeypatch):

@@ -749,11 +749,10 @@ def test_the_heads_catch_up_is_priced_before_it_drafts_and_a_probe_drafts_with_i
     drafter = BackloggedDrafter({i: [0.9, 0.9] for i in range(2)})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
 
-    def step(probe_seconds=None, probing=False, remaining_tokens=None):
+    def step(probe_seconds=None, probing=False):
         ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
         ctx.step_cost = Linear(0.05, 0.001)  # cheap tokens
         ctx.probing, ctx.probe_seconds = probing, probe_seconds
-        ctx.remaining_tokens = remaining_tokens
         p.propose_trees(ctx)
         return drafter.ingested
 
@@ -763,19 +762,12 @@ def test_the_heads_catch_up_is_priced_before_it_drafts_and_a_probe_drafts_with_i
     assert step() == 3  # a millisecond for ~0.9 tokens a request: it pays
     drafter.backlog = 0.5  # half a second a request of rows to write first: it does not
     assert step() == 3 and p.stats.retrieval_only_steps == 1
-    drafter.backlog = 0.1  # 200 ms for both requests: not in one step either...
-    assert step() == 3 and p.stats.retrieval_only_steps == 2
-    # ...but paid once, it is priced over the steps the requests have left: 6 ms a step over 32 steps pays
-    assert step(remaining_tokens=np.array([200, 200])) == 4
-    assert step(remaining_tokens=np.array([2, 2])) == 4 and p.stats.retrieval_only_steps == 3  # one step: it does not
-    drafter.backlog = 0.5
-    assert step(probe_seconds=0.2, probing=True, remaining_tokens=np.array([200, 200])) == 4  # a probe pays it all
-    assert p.stats.retrieval_only_steps == 4
-    assert step(probe_seconds=1.5, probing=True) == 5  # the allowance pays for both requests' rows
+    assert step(probe_seconds=0.2, probing=True) == 3 and p.stats.retrieval_only_steps == 2
+    assert step(probe_seconds=1.5, probing=True) == 4  # the allowance pays for both requests' rows
     p.head_cost.buckets = {1: 0.6}  # a call as dear as the rows: 1.6 s in all
-    assert step(probe_seconds=1.5, probing=True) == 5 and p.stats.retrieval_only_steps == 5
-    assert step(probe_seconds=1.7, probing=True) == 6
-    assert step(probe_seconds=None, probing=True) == 7  # an uncapped probe (nothing known yet) drafts in full
+    assert step(probe_seconds=1.5, probing=True) == 4 and p.stats.retrieval_only_steps == 3
+    assert step(probe_seconds=1.7, probing=True) == 5
+    assert step(probe_seconds=None, probing=True) == 6  # an uncapped probe (nothing known yet) drafts in full
 
 
 def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():

@@ -309,26 +309,6 @@ GAIN_RESOLUTION = 16
 REPRICE_EVERY = 8
 
 
-#: a catch-up (a head writing the rows the steps it sat out left it) is paid once, and drafting for its requests then
-#: goes on without it: a gate prices it per step over the steps those requests have left, at this many committed
-#: tokens a drafting step (tree methods commit 1.3-2.6 a step on the docs' slices) ...
-CATCH_UP_TOKENS_PER_STEP = 2
-#: ... and over at most this many: a gate may stop drafting again (its catch-up then starts anew), a request may be
-#: aborted. Priced into one step, a 1,000-token prompt that arrived while the gate skipped (50-90 ms of writes
-#: against a 20-40 ms step) kept the head from drafting for that request until a probe's allowance covered it all
-CATCH_UP_MAX_STEPS = 32
-
-
-def catch_up_steps(remaining_tokens: np.ndarray | None) -> float:
-    """The steps a catch-up for requests that can still commit ``remaining_tokens`` tokens each is spread over: the
-    median request's steps at ``CATCH_UP_TOKENS_PER_STEP`` tokens a step, 1 to ``CATCH_UP_MAX_STEPS`` (None: not
-    known, one step: the verifier always knows them; a context built elsewhere prices a catch-up as before)."""
-    if remaining_tokens is None or not len(remaining_tokens):
-        return 1.0
-    steps = float(np.median(remaining_tokens)) / CATCH_UP_TOKENS_PER_STEP
-    return float(min(max(steps, 1.0), CATCH_UP_MAX_STEPS))
-
-
 def load_bucket(num_reqs: int) -> int:
     """The load a drafter gate's saving is learnt for: the power of two nearest ``num_reqs`` in log2 (1, 2, 4, 8,
     ...; :func:`log2_bucket`, as the drafter's call cost it is weighed against)."""
@@ -533,12 +513,11 @@ class DraftGate:
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                      row_excess: float | None = None, extra_seconds: float = 0.0,
-                     rival_rate: float | None = None, catch_up_steps: float = 1.0) -> bool:
+                     rival_rate: float | None = None) -> bool:
         """``row_excess``: the context term of one of the requests' rows, on average (None: at the curve's
         context). ``extra_seconds``: what drafting for these requests now costs beyond the drafter's measured call
-        (a head's catch-up on the rows that steps without drafts left it), paid once: priced per step over
-        ``catch_up_steps`` steps (:func:`catch_up_steps`: drafting then goes on without it), and a probe pays it in
-        full, per probed request, out of its allowance. ``rival_rate``: the expected rate of what runs instead of this
+        (a head's catch-up on the rows that steps without drafts left it): part of the price, and a probe pays it,
+        per probed request, out of its allowance. ``rival_rate``: the expected rate of what runs instead of this
         drafter (graft's retrieval-only trees instead of its head), which it must beat as it must beat plain
         decoding's; a step it loses to either is skipped, so its probes still refresh what its trees are worth."""
         self.probing = False
@@ -550,8 +529,7 @@ class DraftGate:
         if self.gains is None:  # nothing known yet: draft, and learn
             return self._probe(None)
         measured = self._measured_call(num_reqs)
-        # a drafter not timed yet counts as free: it drafts, is timed
-        drafter = (measured or 0.0) + extra_seconds / max(catch_up_steps, 1.0)
+        drafter = (measured or 0.0) + extra_seconds  # a drafter not timed yet counts as free: it drafts, is timed
         best, plain = self._rates(num_reqs, max_nodes, base_tokens, drafter, row_excess)
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False

@@ -157,12 +157,11 @@ class StepBudget:
         return seen < PLAIN_SAMPLES or self.stats["observed_steps"] - last > PLAIN_SAMPLE_AGE
 
     def should_draft(self, num_reqs: int, row_excess: np.ndarray | None = None, step_reqs: int | None = None,
-                     extra_seconds: float = 0.0, catch_up_steps: float = 1.0) -> bool:
+                     extra_seconds: float = 0.0) -> bool:
         """``row_excess``: :meth:`StepTime.row_excess` of the drafting requests (None: at the curve's context);
         ``step_reqs``: the requests of the step (default ``num_reqs``), whose plain step must be measured
         (:meth:`needs_plain_sample`) before drafts are priced against it; ``extra_seconds``: the proposer's
-        catch-up for these requests (``TreeProposer.catch_up_price``), priced with the call, spread over
-        ``catch_up_steps`` steps (:meth:`DraftGate.should_draft`)."""
+        catch-up for these requests (``TreeProposer.catch_up_price``), priced with the call."""
         if self.needs_plain_sample(num_reqs if step_reqs is None else step_reqs):
             self.stats["plain_samples"] += 1
             if self.trace is not None:
@@ -171,15 +170,14 @@ class StepBudget:
         self.gate.overhead = self.tree_work.seconds
         draft = self.gate.should_draft(num_reqs, self.max_nodes,
                                        row_excess=None if row_excess is None else float(np.mean(row_excess)),
-                                       extra_seconds=extra_seconds, catch_up_steps=catch_up_steps)
+                                       extra_seconds=extra_seconds)
         self.stats["skipped_drafts"] += not draft
         if self.trace is not None:
             rates = self.gate.last_rates
             self.trace.plan(gate="probe" if self.gate.probing else "draft" if draft else "skip",
                             **({"best": rates[0], "plain": rates[1]} if rates is not None else {}),
                             surplus_ms=self.gate.surplus * 1e3,
-                            **({"catch_up_ms": extra_seconds * 1e3, "catch_up_steps": catch_up_steps}
-                               if extra_seconds else {}))
+                            **({"catch_up_ms": extra_seconds * 1e3} if extra_seconds else {}))
         return draft
 
     def verified(self, accepted: int | None) -> None:

@@ -15,7 +15,6 @@ import torch
 from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer
 from vllm_treespec.attn import plan
 from vllm_treespec.attn.compact import compact_layers
-from vllm_treespec.cost.allocate import catch_up_steps
 from vllm_treespec.cost.model import context_excess
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tree import TreeBatch
@@ -161,16 +160,15 @@ class TreeVerifier:
             # twice what one tree was admitted, plus one: a tree that pays more than lately is offered in full within
             # a few steps, and a probe drafts in full
             ctx.useful_nodes = 2 * max(nodes for _, nodes in self._admitted) + 1
-        # nodes no step can commit (the request ends first) are neither priced nor verified
-        reach = committable_depths(self.runner.requests, req_ids, input_batch.num_tokens_no_spec,
-                                   input_batch.num_prompt_tokens, self.runner.max_model_len)
-        ctx.remaining_tokens = reach + 1
         started = time.perf_counter()
         drafted, drafting, glanced = self._draft(ctx)
         if drafting and ctx.useful_nodes is not None and self.budget.trace is not None:
             self.budget.trace.plan(useful_nodes=ctx.useful_nodes)
         if not drafting:  # no tree for any request (the gate skipped the drafter, or none needs a draft)
             return self._hand_over_nothing(num_reqs, tracking, ctx.expectation_factor)
+        # nodes no step can commit (the request ends first) are neither priced nor verified
+        reach = committable_depths(self.runner.requests, req_ids, input_batch.num_tokens_no_spec,
+                                   input_batch.num_prompt_tokens, self.runner.max_model_len)
         proposed = [cut_to_depth(t, int(d)) if ctx.needs_draft(i) else None
                     for i, (t, d) in enumerate(zip(drafted, reach))]
         trees = proposed
@@ -229,8 +227,7 @@ class TreeVerifier:
         drafting = len(rows)
         if self.never_draft or (budget is not None and drafting and not budget.should_draft(
                 drafting, None if row_excess is None else row_excess[rows], step_reqs=ctx.num_reqs,
-                extra_seconds=self.proposer.catch_up_price(ctx, rows),
-                catch_up_steps=catch_up_steps(None if ctx.remaining_tokens is None else ctx.remaining_tokens[rows]))):
+                extra_seconds=self.proposer.catch_up_price(ctx, rows))):
             self.proposer.observe(ctx)  # its state follows the committed tokens; cheap, and counted as host time
             # a proposer that does not override glance is not asked: its skipped steps count no glance
             if self.never_draft or not drafting or type(self.proposer).glance is TreeProposer.glance:
