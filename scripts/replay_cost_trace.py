@@ -169,9 +169,10 @@ def _by_ranges(steps: list[Step], rows: list[tuple[float, float | None, float, b
     for low, high in ranges:
         picked = [(r, t, m) for step, (r, t, m, v) in zip(timed(steps), rows) if v and low <= value(step) < high + 1]
         if picked:
-            picked_by_range[_range_name(low, high)] = picked
+            name = _range_name(low, high)
+            picked_by_range[name] = picked
             if pooled is not None:
-                pooled.setdefault(_range_name(low, high), []).extend(picked)
+                pooled.setdefault(name, []).extend(picked)
     return ranges_summary(picked_by_range)
 
 

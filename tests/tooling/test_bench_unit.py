@@ -118,14 +118,19 @@ def test_summarize_speedup_median_and_lossless_counts():
     json.dumps(rows)  # plain data
 
 
+def _forwards(*ms):
+    """Per engine, its plain forwards all of ``ms`` (None: too few to read), without contexts."""
+    return [None if m is None else [(m, None)] * bench.MIN_PLAIN_FORWARDS for m in ms]
+
+
 def test_norm_speedup_brings_every_engine_to_the_median_engines_speed():
     """Engines of one configuration run at different speeds: scaled by each engine's median plain forward, the runs of a
     method agree, and the ratio is the methods' (2x here) where the raw medians say 1.6x."""
     out = {"code": {1: [[1]]}, "chat": {2: [[2]]}}
     none = _result("none", "none", [10.0, 8.0, 10.0], out)
-    none.plain_forward_ms = [40.0, 50.0, 40.0]  # tok/s x ms = 400 on every engine
+    none.plain_forwards = _forwards(40.0, 50.0, 40.0)  # tok/s x ms = 400 on every engine
     tree = _result("st", "suffix_tree", [16.0, 16.0, 25.0], out)
-    tree.plain_forward_ms = [50.0, 50.0, 32.0]  # 800
+    tree.plain_forwards = _forwards(50.0, 50.0, 32.0)  # 800
     rows = {(r["method"], r["category"]): r for r in bench.summarize([none, tree], temperature=0.0)}
     overall = rows[("st", "overall")]
     assert overall["speedup"] == pytest.approx(1.6)
@@ -136,11 +141,11 @@ def test_norm_speedup_brings_every_engine_to_the_median_engines_speed():
     table = bench.format_table(list(rows.values()))
     assert "1.60x" in table and "2.00x" in table and "median engine's (45.0 ms; engines 32.0-50.0 ms)" in table
 
-    tree.plain_forward_ms = [50.0, None, 32.0]  # one engine ran too few plain forwards: that method has none
+    tree.plain_forwards = _forwards(50.0, None, 32.0)  # one engine ran too few plain forwards: that method has none
     rows = {(r["method"], r["category"]): r for r in bench.summarize([none, tree], temperature=0.0)}
     assert rows[("st", "overall")]["normalised_speedup"] is None
     assert rows[("none", "overall")]["normalised_tok_per_s"] == pytest.approx(400 / 40)  # median of 5 readings
-    none.plain_forward_ms = tree.plain_forward_ms = [None, None, None]
+    none.plain_forwards = tree.plain_forwards = _forwards(None, None, None)
     rows = bench.summarize([none, tree], temperature=0.0)
     assert all(r["normalised_speedup"] is None for r in rows)
     assert "norm. speedup:" not in bench.format_table(rows)

@@ -375,11 +375,9 @@ class MethodResult:
     #: per repeat, the engine's budget trace summarised (:func:`vllm_treespec.cost.trace.summarize`), when it wrote one
     budget: list[dict[str, Any]] = field(default_factory=list)
     #: per repeat (one per entry of ``repeats``), the engine's plain forwards, (ms, context) each
-    #: (:func:`plain_forwards`), None where it ran too few
+    #: (:func:`plain_forwards`), None where it ran too few; :func:`summarize` reads every engine's speed from them
+    #: at one context (:func:`engine_speeds`)
     plain_forwards: list[list[tuple[float, int | None]] | None] = field(default_factory=list)
-    #: per repeat, the engine's plain forward in ms at the invocation's one context (:func:`engine_speeds`, from
-    #: ``plain_forwards``), None where it has none
-    plain_forward_ms: list[float | None] = field(default_factory=list)
 
 
 def _batches(items: list, size: int) -> Iterable[list]:
@@ -603,22 +601,22 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
         return [rep[category] for rep in result.repeats if category in rep]
 
     base_speed = {c: _median([r.tok_per_s for r in runs_of(baseline, c)]) for c in categories + [OVERALL]}
-    timed = [r for r in results if r.status == "ok" and r.plain_forwards]
-    context = slope = None
-    if timed:  # every engine's speed at one context (results built without forwards keep their plain_forward_ms)
-        speeds, context, slope = engine_speeds([f for r in timed for f in r.plain_forwards])
-        for r in timed:
-            r.plain_forward_ms, speeds = speeds[: len(r.plain_forwards)], speeds[len(r.plain_forwards):]
-    readings = [ms for r in results if r.status == "ok" for ms in r.plain_forward_ms if ms]
+    # every engine's plain forward at one context, by method label (labels are unique), one per repeat
+    ok = [r for r in results if r.status == "ok"]
+    speeds, context, slope = engine_speeds([f for r in ok for f in r.plain_forwards])
+    engine_ms: dict[str, list[float | None]] = {}
+    for r in ok:
+        engine_ms[r.spec.label], speeds = speeds[: len(r.plain_forwards)], speeds[len(r.plain_forwards):]
+    readings = [ms for values in engine_ms.values() for ms in values if ms]
     reference_ms = _median(readings) if readings else None
 
     def normalised_speed(result: MethodResult, category: str) -> float | None:
         """Median over repeats of tok/s scaled to an engine of the median reading (None unless every one of the
         method's engines has a reading)."""
-        runs = runs_of(result, category)
-        if reference_ms is None or None in result.plain_forward_ms or len(runs) != len(result.plain_forward_ms):
+        runs, values = runs_of(result, category), engine_ms[result.spec.label]
+        if reference_ms is None or None in values or len(runs) != len(values):
             return None
-        return _median([run.tok_per_s * ms / reference_ms for run, ms in zip(runs, result.plain_forward_ms)])
+        return _median([run.tok_per_s * ms / reference_ms for run, ms in zip(runs, values)])
 
     base_normalised = {c: normalised_speed(baseline, c) for c in categories + [OVERALL]}
     rows = []
@@ -646,7 +644,7 @@ def summarize(results: list[MethodResult], temperature: float) -> list[dict[str,
                 "decode_tok_per_s": _median([r.decode_tok_per_s for r in runs]),
                 "tok_per_s_repeats": [r.tok_per_s for r in runs],
                 "speedup": speed / base_speed[category] if base_speed.get(category) else None,
-                "plain_forward_ms_repeats": list(result.plain_forward_ms),
+                "plain_forward_ms_repeats": list(engine_ms[result.spec.label]),
                 **({"plain_forward_context": context, "plain_forward_ms_per_1000_context": slope}
                    if context is not None else {}),
                 "normalised_tok_per_s": normalised,
