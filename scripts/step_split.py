@@ -5,16 +5,21 @@
     python scripts/step_split.py --batch-size 16 --prompts "sharegpt[2200:2216]" --max-tokens 64
     python scripts/step_split.py --batch-size 4 --methods 'none;graft' --plain graft --repeats 4
     python scripts/step_split.py --methods 'graft' --enforce-eager --profile 40
+    python scripts/step_split.py --served bench_out/serve   # a `bench serve --step-timers` run's split
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
 prompts per generate call (default 1: one prompt at a time), ``--max-tokens`` each, compiled as vLLM's default
-(``--enforce-eager`` for the eager forward). After a warm-up request, the
-functions of :data:`TIMED` are wrapped with ``perf_counter`` timers. Printed per method: tok/s, engine steps, ms per
-step, the model forward's median per token count, and each timed function's milliseconds per engine step (inclusive;
-nested functions count in both). The wrappers cost about a microsecond per call, so functions called per layer read
-a little high. ``profile_worker.py`` (py-spy) shows the same worker under sampling, with the engine core in its own
-process. Never run it beside another torch job.
+(``--enforce-eager`` for the eager forward). After a warm-up request, the functions of
+:data:`vllm_treespec.patches.step_timers.TIMED` are wrapped with ``perf_counter`` timers. Printed per method: tok/s,
+engine steps, ms per step, the model forward's median per token count, and each timed function's milliseconds per
+engine step (inclusive; nested functions count in both). The wrappers cost about a microsecond per call, so
+functions called per layer read a little high. ``profile_worker.py`` (py-spy) shows the same worker under sampling,
+with the engine core in its own process. Never run it beside another torch job.
+
+``--served OUT`` runs no engine: it prints the same split from the servers of a ``vllm-treespec bench serve
+--step-timers --out OUT`` run (engine core and worker, in their own processes beside the API server), per level,
+each function's median over the rounds for every method and its difference from no speculation's.
 
 ``--plain LABELS``: those methods' tree verifiers never draft (the path of a step whose gate says drafting does not
 pay: the proposer only observes), to measure what a speculative engine's plain steps cost against no speculation's.
@@ -29,109 +34,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-
-#: (module, class, method) of the functions timed; missing ones are skipped (a method without a tree verifier). A
-#: module-level function is timed as the module that calls it imported it: (that module, None, name)
-TIMED = (
-    ("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids"),
-    ("vllm.model_executor.models.llama", "LlamaForCausalLM", "compute_logits"),
-    ("vllm.v1.sample.sampler", "Sampler", "forward"),
-    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
-    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward"),
-    ("vllm_treespec.attn.cpu", "TreeCPUAttentionImpl", "forward"),
-    ("vllm_treespec.verify.verifier", "TreeVerifier", "propose"),
-    ("vllm_treespec.verify.verifier", "TreeVerifier", "attach"),
-    ("vllm_treespec.verify.verifier", "TreeVerifier", "sample"),
-    ("vllm_treespec.verify.verifier", "TreeVerifier", "_draft"),
-    ("vllm_treespec.cost.budget", "StepBudget", "should_draft"),
-    ("vllm_treespec.cost.allocate", "DraftGate", "expected_best"),
-    ("vllm_treespec.eagle.drafter", "EagleDrafter", "observe"),
-    ("vllm_treespec.eagle.drafter", "EagleDrafter", "_write_segments"),
-    ("vllm_treespec.eagle.drafter", "EagleDrafter", "ingest"),
-    ("vllm_treespec.eagle.drafter", "EagleDrafter", "draft"),
-    ("vllm_treespec.eagle.drafter", "EagleDrafter", "_expand_level"),
-    ("vllm_treespec.eagle.drafter", "EagleDrafter", "_segments"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "propose_trees"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "head_drafts"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_tree"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_assemble"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "on_verified"),
-    ("vllm_treespec.proposers.graft.sources", "RetrievalSources", "observe"),
-    ("vllm_treespec.proposers.graft.sources", "RetrievalSources", "at_root"),
-    ("vllm_treespec.verify.calibration", "AcceptanceTracker", "calibrate"),
-    ("vllm_treespec.verify.calibration", "AcceptanceTracker", "committed"),
-    ("vllm_treespec.verify.calibration", "AcceptanceTracker", "handed"),
-    ("vllm_treespec.cost.budget", "StepBudget", "admit"),
-    ("vllm_treespec.cost.budget", "StepBudget", "step_finished"),
-    ("vllm_treespec.verify.calibration", "AcceptanceCalibration", "_rate"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_retrieval_draft"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_most_confident"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_grafts"),
-    ("vllm_treespec.proposers.graft.proposer", "GraftProposer", "_model_drafts"),
-    ("vllm_treespec.proposers.graft.proposer", None, "assemble_tree"),
-    ("vllm_treespec.cost.budget", None, "allocate"),
-    ("vllm_treespec.cost.allocate", "DraftGate", "record"),
-    ("vllm_treespec.cost.allocate", "DraftGate", "should_draft"),
-    ("vllm_treespec.verify.verifier", None, "flatten_trees"),
-    ("vllm_treespec.verify.verifier", None, "committable_depths"),
-    ("vllm_treespec.verify.verifier", None, "build_batch"),
-    ("vllm_treespec.verify.verifier", "TreeVerifier", "_compact"),
-    ("vllm_treespec.verify.verifier", None, "accept"),
-    ("vllm_treespec.verify.verifier", None, "verification_results"),
-    ("vllm_treespec.proposers.graft.sources", "RetrievalSources", "after_path"),
-    ("vllm_treespec.retrieval.store", "SuffixRetriever", "retrieve"),
-    ("vllm_treespec.retrieval.ngram", "NgramRetriever", "retrieve"),
-    ("vllm_treespec.verify.verifier", None, "target_topk"),
-    ("vllm_treespec.verify.verifier", None, "read_logits"),
-    ("vllm_treespec.verify.verifier", None, "argmax_rows"),
-    ("vllm_treespec.verify.verifier", None, "chains_the_verifier_accepts"),
-)
-
-
-def install_timers(totals: dict[str, float], calls: collections.Counter, forwards: list[tuple[int, float]]) -> None:
-    import importlib
-
-    for module_name, class_name, name in TIMED:
-        try:
-            module = importlib.import_module(module_name)
-            owner = module if class_name is None else getattr(module, class_name)
-        except (ImportError, AttributeError):
-            continue
-        original = owner.__dict__.get(name) if class_name is not None else getattr(owner, name, None)
-        if original is None:
-            continue
-        key = f"{class_name or module_name.rsplit('.', 1)[-1]}.{name}"
-
-        def timed(*args, __original=original, __key=key, **kwargs):
-            started = time.perf_counter()
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                seconds = time.perf_counter() - started
-                totals[__key] += seconds
-                calls[__key] += 1
-                if __key == "GPUModelRunner._model_forward":
-                    ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
-                    forwards.append((int(ids.shape[0]) if ids is not None else -1, seconds))
-
-        setattr(owner, name, functools.wraps(original)(timed))
-
+from pathlib import Path
 
 def run_child(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -149,6 +58,7 @@ def run_child(args: argparse.Namespace) -> None:
     from vllm_treespec.tools.bench import load_questions
     from vllm_treespec.tools.engine_env import cpu_memory_defaults
     from vllm_treespec.tools.models import ensure_smollm2
+    from vllm_treespec.patches.step_timers import StepTimers
 
     cpu_memory_defaults()
     llm = LLM(model=args.model or str(ensure_smollm2()), dtype=args.dtype, max_model_len=args.max_model_len,
@@ -159,10 +69,10 @@ def run_child(args: argparse.Namespace) -> None:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], tokenize=False,
                                              add_generation_prompt=True) for q in questions]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    totals: dict[str, float] = collections.defaultdict(float)
-    calls: collections.Counter = collections.Counter()
     forwards: list[tuple[int, float]] = []
-    install_timers(totals, calls, forwards)
+    timers = StepTimers(on_forward=lambda tokens, seconds: forwards.append((tokens, seconds)))
+    timers.install()
+    totals, calls = timers.totals, timers.calls
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     profiler = None
     if args.profile:
@@ -210,6 +120,42 @@ def print_own_profile(profiler, steps: int, count: int) -> None:
             print(f"    {entry[column] / steps * 1e3:8.3f}  {entry[1]:7d}  {short}:{line}({name})")
 
 
+def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
+    """The lines ``--served`` prints from a ``bench serve --step-timers`` results.json: per level, each timed
+    function's milliseconds per engine step for every method (the median over its rounds) and each method's
+    difference from no speculation's; functions under ``min_ms`` for every method are left out."""
+    lines = []
+    methods = [m for m in results["methods"] if m.get("status") == "ok"]
+    levels = sorted({level for m in methods for level in m["levels"]}, key=int)
+    for level in levels:
+        medians, steps = {}, {}
+        for m in methods:
+            rounds = [r for r in (m["levels"].get(level) or {}).get("rounds_step_timers") or [] if r]
+            if rounds:
+                keys = {key for r in rounds for key in r["ms_per_step"]}
+                medians[m["label"]] = {key: statistics.median(r["ms_per_step"].get(key, 0.0) for r in rounds)
+                                       for key in keys}
+                steps[m["label"]] = [r["steps"] for r in rounds]
+        if not medians:
+            continue
+        labels = list(medians)
+        base = medians.get("none")
+        lines.append(f"== {level} requests: ms per engine step, median over rounds (steps a round: "
+                     + "; ".join(f"{label} {' / '.join(map(str, steps[label]))}" for label in labels) + ")")
+        header = "".join(f"{label:>12s}" for label in labels)
+        others = [label for label in labels if label != "none"] if base is not None else []
+        lines.append(f"  {'function':44s}{header}" + "".join(f"{label + ' - none':>16s}" for label in others))
+        keys = sorted({key for table in medians.values() for key in table},
+                      key=lambda key: -max(table.get(key, 0.0) for table in medians.values()))
+        for key in keys:
+            values = [medians[label].get(key, 0.0) for label in labels]
+            if max(values) < min_ms:
+                continue
+            lines.append(f"  {key:44s}" + "".join(f"{v:12.3f}" for v in values)
+                         + "".join(f"{medians[label].get(key, 0.0) - base.get(key, 0.0):+16.3f}" for label in others))
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="none;graft",
@@ -232,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also run cProfile over the timed generation and print this project's N costliest "
                         "functions (own and inclusive time; cProfile slows Python code, so read shares)")
+    parser.add_argument("--served", default=None, metavar="OUT",
+                        help="instead of running engines, print the per-function split of a `vllm-treespec bench "
+                        "serve --step-timers --out OUT` run, per level, each method beside no speculation")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--never-draft", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -241,6 +190,11 @@ def main() -> int:
     args = build_parser().parse_args()
     if args.child is not None:
         run_child(args)
+        return 0
+    if args.served is not None:
+        lines = served_split(json.loads((Path(args.served) / "results.json").read_text()))
+        print("\n".join(lines) if lines else f"step_split: no step timers in {args.served}/results.json "
+              "(run bench serve with --step-timers)")
         return 0
     from vllm_treespec.tools.bench import BenchError, load_questions, never_drafting_labels, parse_methods, round_order
 

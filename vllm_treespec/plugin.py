@@ -3,7 +3,8 @@
 It gates on the vLLM version (unsupported → one log line, nothing registered, vLLM keeps working), installs the
 process-0 config translation, on CPU the measured choice of dense linear (:mod:`vllm_treespec.patches.cpu_gemm`, in
 every engine: no speculation must run on the linear the tree methods run on), where a benchmark asks for it the
-forward timer (:mod:`vllm_treespec.patches.forward_times`) and — only in processes that serve a tree method — the
+forward timer (:mod:`vllm_treespec.patches.forward_times`) and the step timers
+(:mod:`vllm_treespec.patches.step_timers`), and — only in processes that serve a tree method — the
 worker patches and the tree-aware attention backend.
 """
 
@@ -60,6 +61,10 @@ def register() -> None:
     _state["enabled"] = True
     if os.environ.get(TREE_MODE_ENV) == "1":
         activate_tree_mode()
+    from vllm_treespec.patches import step_timers
+
+    # only where a benchmark asks (VLLM_TREESPEC_STEP_TIMERS_FILE): after the patches, so that they are timed too
+    step_timers.install_from_env()
 
 
 def activate_tree_mode() -> None:

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 from vllm_treespec.cost import trace
 from vllm_treespec.cost.trace import TRACE_ENV
-from vllm_treespec.patches import forward_times
+from vllm_treespec.patches import forward_times, step_timers
 from vllm_treespec.settings import NEVER_DRAFT_ENV
 from vllm_treespec.tools.bench import BenchError, DEFAULT_METHODS, METHODS_HELP, WARMUP_PROMPT, MethodSpec, check_method
 from vllm_treespec.tools.bench import (ALLOW_TRAINING_PROMPTS_HELP, check_held_out, check_prompt_lengths,
@@ -152,6 +152,10 @@ class MethodRound:
         self.forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
         trace.clear(self.forwards_path)  # workers append to <path>.<pid>, as the budget trace's
         env = {TRACE_ENV: str(self.trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(self.forwards_path)}
+        self.timers_path = out_dir / f"timers-{spec.label}-r{round_index + 1}.jsonl"
+        trace.clear(self.timers_path)
+        if args.step_timers:
+            env[step_timers.STEP_TIMERS_FILE_ENV] = str(self.timers_path)
         if spec.label in args.plain:
             env[NEVER_DRAFT_ENV] = "1"
         if args.kv_cache_gib is not None:
@@ -211,6 +215,7 @@ class MethodRound:
         windows = {level: tuple(stats["window"]) for level, stats in self.entry["levels"].items()}
         add_budget_trace(self.entry, trace.files(self.trace_path), windows)
         add_forward_times(self.entry, forward_times.read_trace(trace.files(self.forwards_path)), windows)
+        add_step_timers(self.entry, trace.files(self.timers_path), windows)
         return self.entry
 
 
@@ -315,6 +320,20 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
             entry["levels"][level]["plain_forward"] = plain
 
 
+def add_step_timers(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
+    """Each level's ``step_timers`` (``--step-timers``): the server's engine steps in the level's window
+    (``"steps"``) and each timed function's milliseconds per step (``"ms_per_step"``,
+    :mod:`vllm_treespec.patches.step_timers`), engine core and worker together; nothing without timer files."""
+    if not paths:
+        return
+    for level, (start, end) in windows.items():
+        if level in entry["levels"]:
+            seconds, calls = step_timers.window_totals(paths, start, end)
+            per_step = step_timers.per_step(seconds, calls)
+            entry["levels"][level]["step_timers"] = (None if per_step is None else
+                                                     {"steps": calls[step_timers.STEP_KEY], "ms_per_step": per_step})
+
+
 def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
     """Each level's summary of the server's budget trace (:mod:`vllm_treespec.cost.trace`), when it wrote one."""
     if not paths:
@@ -352,7 +371,8 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                                                                for s in per_round],
                                    "rounds_plain_forward": [s.get("plain_forward") for s in per_round],
                                    "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round],
-                                   "rounds_window": [s.get("window") for s in per_round]}
+                                   "rounds_window": [s.get("window") for s in per_round],
+                                   "rounds_step_timers": [s.get("step_timers") for s in per_round]}
     return merged
 
 
@@ -564,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
+    parser.add_argument("--step-timers", action="store_true",
+                        help="time the engine core's and the worker's functions per step in every server "
+                        "(vllm_treespec.patches.step_timers; about a microsecond per timed call): results.json's "
+                        "levels get step_timers, printed side by side by scripts/step_split.py --served OUT")
     parser.add_argument("--cpu-affinity", choices=("reserved", "os"), default="reserved",
                         help="CPU server: 'reserved' (default) pins the API server, the engine core and this load "
                         "generator to the CPUs vLLM's worker left free (those vLLM reserves for its engine core), off "
