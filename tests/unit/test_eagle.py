@@ -303,11 +303,9 @@ def test_linear_seconds_times_every_linear_layer(tmp_path):
 @pytest.mark.parametrize("deferred_rows", [256, 1])
 def test_observed_steps_keep_the_cache_whole(tmp_path, monkeypatch, deferred_rows):
     """Steps the budget does not draft only observe (their rows' K/V are written at the next ingest, or once
-    ``deferred_rows`` rows wait, the rows ``DEFERRED_BYTES`` holds; no output computed): drafting afterwards must
-    give exactly the trees of a drafter that ingested every step, and differ from one that skipped them (a masked
-    hole)."""
-    row_bytes = 3 * HIDDEN * 4  # a row's aux hidden states: three layers' in fp32
-    monkeypatch.setattr("vllm_treespec.eagle.drafter.DEFERRED_BYTES", deferred_rows * row_bytes + row_bytes // 2)
+    ``deferred_rows`` rows wait; no output computed): drafting afterwards must give exactly the trees of a drafter
+    that ingested every step, and differ from one that skipped them (a masked hole)."""
+    monkeypatch.setattr("vllm_treespec.eagle.drafter.DEFERRED_ROWS", deferred_rows)
     head, path = small_head(tmp_path, seed=7)
     rng = np.random.default_rng(7)
     seq = rng.integers(0, VOCAB, size=48)
@@ -327,7 +325,6 @@ def test_observed_steps_keep_the_cache_whole(tmp_path, monkeypatch, deferred_row
 
     def observe(drafter, ctx):
         drafter.observe(ctx)
-        assert drafter._deferred_row_limit == deferred_rows
         assert bool(drafter._deferred) == (deferred_rows > 1)  # a limit of one row writes at once
 
     every = drafted(lambda d, ctx: d.ingest(ctx))

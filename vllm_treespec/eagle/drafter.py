@@ -81,12 +81,9 @@ def activation_dtype(mode: str) -> torch.dtype:
     return torch.float32 if mode == "int8" else getattr(torch, mode)
 
 
-#: memory of the observed rows (all requests) kept before their K/V are written anyway: bounds a long spell without
-#: drafts. A row holds the target's aux hidden states (3 x 576 values for SmolLM2: 3.5 KB in bf16, 7 KB in fp32), so
-#: 16 requests with DEFERRED_ROWS_PER_REQUEST rows each fit in either dtype. At 8192 rows, as it was, a served bf16
-#: level of 16 requests hit it a few times a round and wrote every waiting row of every request (0.4-0.8% of the
-#: round, on plain steps: docs/benchmarks.md), most of them of requests the head never drafted for before they ended
-DEFERRED_BYTES = 128 * 2**20
+#: observed rows (all requests) kept before their K/V are written anyway: bounds the memory of a long spell without
+#: drafts (a row holds the target's aux hidden states: 3 x 576 values for SmolLM2, 7 KB in fp32)
+DEFERRED_ROWS = 8192
 #: one request's observed rows kept before its own are written (its next draft then catches up on fewer)
 DEFERRED_ROWS_PER_REQUEST = 1024
 #: weight of the newest batched write in the running price of a written row, learnt from writes of at least
@@ -120,11 +117,10 @@ class EagleDrafter:
         self.states: dict[str, _RequestState] = {}
         self._tick = 0
         #: committed rows not written yet, by request: (aux hidden rows, tokens, positions), in order. A request's
-        #: rows are written when the head drafts for it (or past DEFERRED_ROWS_PER_REQUEST / DEFERRED_BYTES), so a
+        #: rows are written when the head drafts for it (or past DEFERRED_ROWS_PER_REQUEST / DEFERRED_ROWS), so a
         #: request the head never drafts for again (a busy server's) never costs their writes
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
         self._deferred_rows = 0  # rows in _deferred
-        self._deferred_row_limit: int | None = None  # DEFERRED_BYTES in rows, set at the first deferred row
         self._deferred_count: dict[str, int] = {}  # rows in _deferred, by request
         #: seconds the last ingest spent writing rows deferred from earlier steps and a prefill's prompt rows (their
         #: share of its batched write): work written once per row, not a price of this step's drafts
@@ -301,15 +297,13 @@ class EagleDrafter:
         """Keep ``segments`` for a later write; write now the requests past their limit (all, past the total's)."""
         full = set()
         for i, aux, tokens, positions in segments:
-            if self._deferred_row_limit is None:
-                self._deferred_row_limit = max(DEFERRED_BYTES // max(aux.shape[-1] * aux.element_size(), 1), 1)
             req_id = ctx.req_ids[i]
             self._deferred.setdefault(req_id, []).append((aux, tokens, positions))
             self._deferred_rows += len(positions)
             self._deferred_count[req_id] = count = self._deferred_count.get(req_id, 0) + len(positions)
             if count >= DEFERRED_ROWS_PER_REQUEST:
                 full.add(req_id)
-        if self._deferred_row_limit is not None and self._deferred_rows >= self._deferred_row_limit:
+        if self._deferred_rows >= DEFERRED_ROWS:
             self._write_segments(ctx, [])
         elif full:
             self._write_segments(ctx, [], requests=full)
