@@ -496,7 +496,8 @@ def two_request_context(seqs, auxes, spans, drafting) -> ProposeContext:
 def test_a_request_the_head_does_not_draft_for_costs_no_writes(tmp_path, monkeypatch):
     """On a busy server the head drafts for few requests: the others' rows are written only when it drafts for them,
     and never if they finish first; their drafts are then the trees of a drafter that wrote every row at once. One
-    request's rows past ``DEFERRED_ROWS_PER_REQUEST`` are written without the others'."""
+    request keeps its newest ``DEFERRED_ROWS_PER_REQUEST`` rows waiting, its older ones dropped unwritten: a draft for
+    it then writes those alone, and its older positions stay masked out."""
     head, path = small_head(tmp_path, seed=11)
     rng = np.random.default_rng(11)
     seqs = [rng.integers(0, VOCAB, size=48) for _ in range(2)]
@@ -526,8 +527,16 @@ def test_a_request_the_head_does_not_draft_for_costs_no_writes(tmp_path, monkeyp
 
     monkeypatch.setattr("vllm_treespec.eagle.drafter.DEFERRED_ROWS_PER_REQUEST", 16)
     capped, _ = run(lambda step: False)
-    # b's 18 rows after its fourth step went at once; its last 8 wait
-    assert capped.states["b"].length == 18 and capped._deferred_rows == 8
+    # b's newest 16 of 26 rows wait (positions 10-25; its first segment and part of its fourth dropped), none written
+    assert "b" not in capped.states and capped._deferred_rows == 16 and capped._deferred_count == {"b": 16}
+    waiting = capped._deferred["b"]
+    assert np.concatenate([p for _, _, p in waiting]).tolist() == list(range(10, 26))
+    assert sum(len(a) for a, _, _ in waiting) == sum(len(t) for _, t, _ in waiting) == 16
+    last = two_request_context(seqs, auxes, [(26, 27), (26, 27)], [True, True])
+    capped.ingest(last)  # b's first draft: its 16 waiting rows and this step's are written, positions 0-9 masked
+    state = capped.states["b"]
+    assert state.length == 27 and not state.written[:10].any() and state.written[10:27].all()
+    assert capped._deferred_rows == 0
 
 
 def test_the_heads_grow_no_larger_than_the_budget_admits():

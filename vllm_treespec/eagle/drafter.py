@@ -84,7 +84,11 @@ def activation_dtype(mode: str) -> torch.dtype:
 #: observed rows (all requests) kept before their K/V are written anyway: bounds the memory of a long spell without
 #: drafts (a row holds the target's aux hidden states: 3 x 576 values for SmolLM2, 7 KB in fp32)
 DEFERRED_ROWS = 8192
-#: one request's observed rows kept before its own are written (its next draft then catches up on fewer)
+#: one request's newest observed rows kept for a later write; older ones are dropped unwritten, masked out of the
+#: head's later drafts for it (a long prompt's first rows: the shipped head was trained on 640-token sequences). A
+#: request the head never drafts for then costs no write however long its prompt, and one it drafts for later catches
+#: up on this many rows at most. (Written at once instead, as before 2026-12-06, the rows of prompts past it were a
+#: never-drafting graft server's only writes at 16 requests in bf16: 150-340 ms a round, 0.4-0.8% of its time.)
 DEFERRED_ROWS_PER_REQUEST = 1024
 #: weight of the newest batched write in the running price of a written row, learnt from writes of at least
 #: ROW_PRICE_MIN_ROWS rows (a prompt's, a catch-up's)
@@ -117,8 +121,8 @@ class EagleDrafter:
         self.states: dict[str, _RequestState] = {}
         self._tick = 0
         #: committed rows not written yet, by request: (aux hidden rows, tokens, positions), in order. A request's
-        #: rows are written when the head drafts for it (or past DEFERRED_ROWS_PER_REQUEST / DEFERRED_ROWS), so a
-        #: request the head never drafts for again (a busy server's) never costs their writes
+        #: rows are written when the head drafts for it (or past DEFERRED_ROWS; past DEFERRED_ROWS_PER_REQUEST the
+        #: oldest are dropped), so a request the head never drafts for again (a busy server's) never costs their writes
         self._deferred: dict[str, list[tuple[Any, np.ndarray, np.ndarray]]] = {}
         self._deferred_rows = 0  # rows in _deferred
         self._deferred_count: dict[str, int] = {}  # rows in _deferred, by request
@@ -286,27 +290,39 @@ class EagleDrafter:
     # --- step 1: ingest committed rows ------------------------------------------------------------------------
     def observe(self, ctx: ProposeContext) -> None:
         """A step that does not draft: keep its committed rows (the target's aux hidden states, tokens, positions)
-        to write their K/V when the head next drafts for their request, in one batch with that step's rows. A row
-        never written stays masked out of every later draft. Writing every request's rows each step cost ~3% of a
+        to write their K/V when the head next drafts for their request, in one batch with that step's rows (a
+        request's newest ``DEFERRED_ROWS_PER_REQUEST``). A row never written stays masked out of every later draft. Writing every request's rows each step cost ~3% of a
         16-request step in small GEMMs and op dispatch, and a busy server's head drafts for few of them again."""
         if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
             return
         self._defer(ctx, self._segments(ctx))
 
     def _defer(self, ctx: ProposeContext, segments: list[tuple[int, Any, np.ndarray, np.ndarray]]) -> None:
-        """Keep ``segments`` for a later write; write now the requests past their limit (all, past the total's)."""
-        full = set()
+        """Keep ``segments`` for a later write, each request's newest ``DEFERRED_ROWS_PER_REQUEST`` rows; write every
+        request's now past the total's limit."""
         for i, aux, tokens, positions in segments:
             req_id = ctx.req_ids[i]
             self._deferred.setdefault(req_id, []).append((aux, tokens, positions))
             self._deferred_rows += len(positions)
             self._deferred_count[req_id] = count = self._deferred_count.get(req_id, 0) + len(positions)
-            if count >= DEFERRED_ROWS_PER_REQUEST:
-                full.add(req_id)
+            if count > DEFERRED_ROWS_PER_REQUEST:
+                self._drop_oldest(req_id, count - DEFERRED_ROWS_PER_REQUEST)
         if self._deferred_rows >= DEFERRED_ROWS:
             self._write_segments(ctx, [])
-        elif full:
-            self._write_segments(ctx, [], requests=full)
+
+    def _drop_oldest(self, req_id: str, rows: int) -> None:
+        """Drop the oldest ``rows`` of ``req_id``'s waiting rows unwritten (they stay masked out of its drafts)."""
+        waiting = self._deferred[req_id]
+        self._deferred_count[req_id] -= rows
+        self._deferred_rows -= rows
+        while rows > 0:
+            aux, tokens, positions = waiting[0]
+            if len(positions) <= rows:
+                waiting.pop(0)
+                rows -= len(positions)
+            else:
+                waiting[0] = (aux[rows:], tokens[rows:], positions[rows:])
+                rows = 0
 
     def backlog_seconds(self, req_ids: Sequence[str]) -> float:
         """What drafting for ``req_ids`` now would spend first writing the rows their steps without drafts left:
