@@ -128,7 +128,7 @@ def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
     methods = [m for m in results["methods"] if m.get("status") == "ok"]
     levels = sorted({level for m in methods for level in m["levels"]}, key=int)
     for level in levels:
-        medians, steps = {}, {}
+        medians, steps, faults = {}, {}, {}
         for m in methods:
             rounds = [r for r in (m["levels"].get(level) or {}).get("rounds_step_timers") or [] if r]
             if rounds:
@@ -136,12 +136,16 @@ def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
                 medians[m["label"]] = {key: statistics.median(r["ms_per_step"].get(key, 0.0) for r in rounds)
                                        for key in keys}
                 steps[m["label"]] = [r["steps"] for r in rounds]
+                faults[m["label"]] = [r.get("minor_faults_per_step") for r in rounds]
         if not medians:
             continue
         labels = list(medians)
         base = medians.get("none")
         lines.append(f"== {level} requests: ms per engine step, median over rounds (steps a round: "
                      + "; ".join(f"{label} {' / '.join(map(str, steps[label]))}" for label in labels) + ")")
+        if any(f is not None for per_round in faults.values() for f in per_round):
+            lines.append("  minor page faults per step (rounds): " + "; ".join(
+                f"{label} {' / '.join('-' if f is None else f'{f:.0f}' for f in faults[label])}" for label in labels))
         header = "".join(f"{label:>12s}" for label in labels)
         others = [label for label in labels if label != "none"] if base is not None else []
         lines.append(f"  {'function':44s}{header}" + "".join(f"{label + ' - none':>16s}" for label in others))

@@ -67,19 +67,23 @@ def test_a_server_process_appends_snapshots_that_a_window_reads_back(timed_modul
     timers.uninstall_gc()
     snapshots = [json.loads(line) for line in sink.getvalue().splitlines()]
     assert [s["calls"]["Engine.step"] for s in snapshots] == [1, 2, 3]
+    assert 0 < snapshots[0]["minor_faults"] <= snapshots[-1]["minor_faults"]  # the process's, so far
     assert snapshots[0]["time"] <= snapshots[-1]["time"]
 
 
-def _snapshot(time, seconds, calls):
-    return json.dumps({"time": time, "seconds": seconds, "calls": calls}) + "\n"
+def _snapshot(time, seconds, calls, minor_faults=None):
+    record = {"time": time, "seconds": seconds, "calls": calls}
+    if minor_faults is not None:
+        record["minor_faults"] = minor_faults
+    return json.dumps(record) + "\n"
 
 
 def test_a_window_is_each_process_s_last_snapshot_before_its_end_less_its_last_before_its_start(tmp_path):
     step = step_timers.STEP_KEY
     worker = tmp_path / "timers.jsonl.101"
-    worker.write_text(_snapshot(10.0, {step: 1.0}, {step: 10})
+    worker.write_text(_snapshot(10.0, {step: 1.0}, {step: 10}, minor_faults=100)
                       + _snapshot(20.0, {step: 3.0, "GPUModelRunner._sample": 0.5},
-                                  {step: 50, "GPUModelRunner._sample": 40})
+                                  {step: 50, "GPUModelRunner._sample": 40}, minor_faults=900)
                       + "{torn line\n"
                       + _snapshot(30.0, {step: 9.0}, {step: 200}))
     engine_core = tmp_path / "timers.jsonl.100"
@@ -88,7 +92,7 @@ def test_a_window_is_each_process_s_last_snapshot_before_its_end_less_its_last_b
     api_server = tmp_path / "timers.jsonl.99"
     api_server.write_text("")  # a process that times nothing
     seconds, calls = step_timers.window_totals([worker, engine_core, api_server], 15.0, 25.0)
-    assert calls == {step: 40, "GPUModelRunner._sample": 40, "Scheduler.schedule": 40}
+    assert calls == {step: 40, "GPUModelRunner._sample": 40, "Scheduler.schedule": 40, step_timers.FAULTS_KEY: 800}
     assert seconds == pytest.approx({step: 2.0, "GPUModelRunner._sample": 0.5, "Scheduler.schedule": 0.4})
     per_step = step_timers.per_step(seconds, calls)
     assert per_step == pytest.approx({step: 50.0, "GPUModelRunner._sample": 12.5, "Scheduler.schedule": 10.0})
@@ -101,15 +105,17 @@ def test_bench_serve_reads_each_level_s_split_and_step_split_prints_it_beside_no
     files = {}
     for label, sample_seconds in (("none", 0.4), ("graft", 0.9)):
         path = tmp_path / f"timers-{label}-r1.jsonl.1"
-        path.write_text(_snapshot(1.0, {step: 0.0}, {step: 0})
+        path.write_text(_snapshot(1.0, {step: 0.0}, {step: 0}, minor_faults=0)
                         + _snapshot(5.0, {step: 5.0, "GPUModelRunner._sample": sample_seconds},
-                                    {step: 100, "GPUModelRunner._sample": 100}))
+                                    {step: 100, "GPUModelRunner._sample": 100},
+                                    minor_faults=round(sample_seconds * 1000)))
         files[label] = [path]
     methods = []
     for label in ("none", "graft"):
         entry = {"label": label, "status": "ok", "levels": {"16": {}}}
         bench_serve.add_step_timers(entry, files[label], {"16": (0.5, 6.0)})
         assert entry["levels"]["16"]["step_timers"]["steps"] == 100
+        assert entry["levels"]["16"]["step_timers"]["minor_faults_per_step"] == {"none": 4, "graft": 9}[label]
         entry["levels"]["16"]["rounds_step_timers"] = [entry["levels"]["16"]["step_timers"]]
         methods.append(entry)
     untimed = {"label": "x", "status": "ok", "levels": {"16": {}}}
@@ -118,5 +124,6 @@ def test_bench_serve_reads_each_level_s_split_and_step_split_prints_it_beside_no
 
     lines = load_script("step_split").served_split({"methods": methods})
     assert lines[0].startswith("== 16 requests") and "none 100; graft 100" in lines[0]
+    assert lines[1] == "  minor page faults per step (rounds): none 4; graft 9"
     sample = next(line for line in lines if "GPUModelRunner._sample" in line).split()
     assert sample[1:] == ["4.000", "9.000", "+5.000"]  # ms per step: none, graft, graft - none

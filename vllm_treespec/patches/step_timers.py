@@ -25,6 +25,7 @@ import gc
 import importlib
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -201,7 +202,9 @@ class StepTimers:
             return
         self._last_snapshot = now
         self.install()
-        self.sink.write(json.dumps({"time": now, "seconds": self.totals, "calls": self.calls}) + "\n")
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages first touched: fresh allocations
+        self.sink.write(json.dumps({"time": now, "seconds": self.totals, "calls": self.calls,
+                                    "minor_faults": faults}) + "\n")
 
 
 _installed: list[StepTimers] = []
@@ -219,13 +222,21 @@ def install_from_env() -> None:
     _installed.append(timers)
 
 
+#: the calls key under which :func:`window_totals` counts the processes' minor page faults (0 seconds)
+FAULTS_KEY = "process.minor_faults"
+
+
 def read_snapshots(path: Path) -> list[tuple[float, dict[str, float], dict[str, int]]]:
-    """(wall-clock time, seconds, calls) of each snapshot in one process's file (a torn line is skipped)."""
+    """(wall-clock time, seconds, calls) of each snapshot in one process's file (a torn line is skipped); its
+    minor page faults so far are counted under :data:`FAULTS_KEY` in the calls."""
     snapshots = []
     for line in Path(path).read_text().splitlines():
         try:
             record = json.loads(line)
-            snapshots.append((float(record["time"]), record["seconds"], record["calls"]))
+            calls = dict(record["calls"])
+            if "minor_faults" in record:
+                calls[FAULTS_KEY] = int(record["minor_faults"])
+            snapshots.append((float(record["time"]), record["seconds"], calls))
         except (ValueError, KeyError, TypeError):
             continue
     return snapshots
@@ -233,7 +244,8 @@ def read_snapshots(path: Path) -> list[tuple[float, dict[str, float], dict[str, 
 
 def window_totals(paths: Iterable[Path], start: float, end: float) -> tuple[dict[str, float], dict[str, int]]:
     """Seconds and calls per function over [start, end) in every process's file: each file's last snapshot before
-    ``end`` less its last before ``start`` (none: zero), summed over the files."""
+    ``end`` less its last before ``start`` (none: zero), summed over the files (the page faults of
+    :data:`FAULTS_KEY` too)."""
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
     for path in paths:

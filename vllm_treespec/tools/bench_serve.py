@@ -322,16 +322,20 @@ def add_forward_times(entry: dict[str, Any], records: list[tuple[float, int, flo
 
 def add_step_timers(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
     """Each level's ``step_timers`` (``--step-timers``): the server's engine steps in the level's window
-    (``"steps"``) and each timed function's milliseconds per step (``"ms_per_step"``,
-    :mod:`vllm_treespec.patches.step_timers`), engine core and worker together; nothing without timer files."""
+    (``"steps"``), each timed function's milliseconds per step (``"ms_per_step"``,
+    :mod:`vllm_treespec.patches.step_timers`) and the processes' minor page faults per step
+    (``"minor_faults_per_step"``: memory touched for the first time), engine core and worker together; nothing
+    without timer files."""
     if not paths:
         return
     for level, (start, end) in windows.items():
         if level in entry["levels"]:
             seconds, calls = step_timers.window_totals(paths, start, end)
             per_step = step_timers.per_step(seconds, calls)
-            entry["levels"][level]["step_timers"] = (None if per_step is None else
-                                                     {"steps": calls[step_timers.STEP_KEY], "ms_per_step": per_step})
+            steps = calls.get(step_timers.STEP_KEY, 0)
+            entry["levels"][level]["step_timers"] = (None if per_step is None else {
+                "steps": steps, "ms_per_step": per_step,
+                "minor_faults_per_step": calls.get(step_timers.FAULTS_KEY, 0) / steps})
 
 
 def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
