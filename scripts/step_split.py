@@ -6,6 +6,7 @@
     python scripts/step_split.py --batch-size 4 --methods 'none;graft' --plain graft --repeats 4
     python scripts/step_split.py --methods 'graft' --enforce-eager --profile 40
     python scripts/step_split.py --served bench_out/serve   # a `bench serve --step-timers` run's split
+    python scripts/step_split.py --served bench_out/serve --durations Sampler.forward
 
 Each method runs in its own child process: an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 worker's functions can be wrapped; torch on one thread, as vLLM's CPU worker runs here), greedy, ``--batch-size``
@@ -19,7 +20,8 @@ with the engine core in its own process. Never run it beside another torch job.
 
 ``--served OUT`` runs no engine: it prints the same split from the servers of a ``vllm-treespec bench serve
 --step-timers --out OUT`` run (engine core and worker, in their own processes beside the API server), per level,
-each function's median over the rounds for every method and its difference from no speculation's.
+each function's median over the rounds for every method and its difference from no speculation's; with
+``--durations FUNCTION``, also how that function's calls spread over call times, per round.
 
 ``--plain LABELS``: those methods' tree verifiers never draft (the path of a step whose gate says drafting does not
 pay: the proposer only observes), to measure what a speculative engine's plain steps cost against no speculation's.
@@ -160,6 +162,27 @@ def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
     return lines
 
 
+def served_durations(out_dir: Path, results: dict, key: str) -> list[str]:
+    """The lines ``--served OUT --durations KEY`` adds: per level, method and round, how ``KEY``'s calls spread over
+    call times (each bucket named by its upper end; calls under it and at least half of it), from the servers' timer
+    files in ``out_dir``: whether a function that reads dear in a round is dear at every call or at a few."""
+    from vllm_treespec.cost import trace
+    from vllm_treespec.patches import step_timers
+
+    lines = []
+    methods = [m for m in results["methods"] if m.get("status") == "ok"]
+    for level in sorted({level for m in methods for level in m["levels"]}, key=int):
+        lines.append(f"== {level} requests: {key}, calls by time (rounds)")
+        for m in methods:
+            stats = m["levels"].get(level) or {}
+            for number, window in zip(m.get("round_numbers", []), stats.get("rounds_window") or []):
+                files = trace.files(out_dir / f"timers-{m['label']}-r{number}.jsonl")
+                counts = step_timers.window_durations(files, key, *window) if window else {}
+                spread = ", ".join(f"<{2 ** b / 1000:g} ms: {n}" for b, n in counts.items()) or "no calls"
+                lines.append(f"  {m['label']} r{number}: {spread}")
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default="none;graft",
@@ -185,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served", default=None, metavar="OUT",
                         help="instead of running engines, print the per-function split of a `vllm-treespec bench "
                         "serve --step-timers --out OUT` run, per level, each method beside no speculation")
+    parser.add_argument("--durations", default=None, metavar="FUNCTION",
+                        help="with --served: also how that function's calls (e.g. Sampler.forward) spread over call "
+                        "times, per level, method and round")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--never-draft", action="store_true", help=argparse.SUPPRESS)
     return parser
@@ -196,7 +222,10 @@ def main() -> int:
         run_child(args)
         return 0
     if args.served is not None:
-        lines = served_split(json.loads((Path(args.served) / "results.json").read_text()))
+        results = json.loads((Path(args.served) / "results.json").read_text())
+        lines = served_split(results)
+        if lines and args.durations:
+            lines += served_durations(Path(args.served), results, args.durations)
         print("\n".join(lines) if lines else f"step_split: no step timers in {args.served}/results.json "
               "(run bench serve with --step-timers)")
         return 0

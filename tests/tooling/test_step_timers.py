@@ -127,3 +127,27 @@ def test_bench_serve_reads_each_level_s_split_and_step_split_prints_it_beside_no
     assert lines[1] == "  minor page faults per step (rounds): none 4; graft 9"
     sample = next(line for line in lines if "GPUModelRunner._sample" in line).split()
     assert sample[1:] == ["4.000", "9.000", "+5.000"]  # ms per step: none, graft, graft - none
+
+
+def test_each_call_is_counted_by_its_time_and_a_window_reads_the_spread_back(timed_module, monkeypatch, tmp_path):
+    assert [step_timers.duration_bucket(s) for s in (0.0, 0.5e-6, 1e-6, 3e-6, 1e-3)] == [0, 0, 1, 2, 10]
+    monkeypatch.setattr(step_timers, "SNAPSHOT_SECONDS", 0.0)
+    sink = io.StringIO()
+    timers = step_timers.StepTimers(sink=sink, entries=[(timed_module.__name__, "Engine", "step")])
+    timers.install()
+    timers.uninstall_gc()
+    timed_module.Engine().step(1)
+    assert sum(timers.durations["Engine.step"].values()) == 1
+    assert "durations" in json.loads(sink.getvalue().splitlines()[-1])
+
+    path = tmp_path / "timers-graft-r1.jsonl.7"
+    lines = [{"time": 2.0, "seconds": {}, "calls": {}, "durations": {"Sampler.forward": {"9": 5, "11": 1}}},
+             {"time": 4.0, "seconds": {}, "calls": {}, "durations": {"Sampler.forward": {"9": 105, "11": 4}}}]
+    path.write_text(_snapshot(1.0, {}, {}) + "".join(json.dumps(line) + "\n" for line in lines))
+    assert step_timers.window_durations([path], "Sampler.forward", 3.0, 5.0) == {9: 100, 11: 3}
+    assert step_timers.window_durations([path], "Sampler.forward", 0.0, 3.0) == {9: 5, 11: 1}
+    results = {"methods": [{"label": "graft", "status": "ok", "round_numbers": [1],
+                            "levels": {"16": {"rounds_window": [[3.0, 5.0]]}}}]}
+    lines = load_script("step_split").served_durations(tmp_path, results, "Sampler.forward")
+    assert lines == ["== 16 requests: Sampler.forward, calls by time (rounds)",
+                     "  graft r1: <0.512 ms: 100, <2.048 ms: 3"]

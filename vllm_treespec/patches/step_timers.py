@@ -135,6 +135,9 @@ class StepTimers:
         self._wrapped: set[tuple[str, str | None, str]] = set()
         self._last_snapshot = 0.0
         self._gc_started: float | None = None
+        #: per function, calls by :func:`duration_bucket` of their time: whether a dear function is dear at every call
+        #: or at a few
+        self.durations: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def install(self) -> None:
         """Wrap every function of :data:`TIMED` not wrapped yet (idempotent), and time the garbage collector's
@@ -163,6 +166,7 @@ class StepTimers:
 
     def _timed(self, original, key: str):
         totals, calls = self.totals, self.calls
+        durations = self.durations[key]
         forward = key == "GPUModelRunner._model_forward" and self.on_forward is not None
 
         @functools.wraps(original)
@@ -174,6 +178,7 @@ class StepTimers:
                 seconds = time.perf_counter() - started
                 totals[key] += seconds
                 calls[key] += 1
+                durations[duration_bucket(seconds)] += 1
                 if forward:
                     ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
                     self.on_forward(int(ids.shape[0]) if ids is not None else -1, seconds)
@@ -204,7 +209,7 @@ class StepTimers:
         self.install()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages first touched: fresh allocations
         self.sink.write(json.dumps({"time": now, "seconds": self.totals, "calls": self.calls,
-                                    "minor_faults": faults}) + "\n")
+                                    "minor_faults": faults, "durations": self.durations}) + "\n")
 
 
 _installed: list[StepTimers] = []
@@ -224,6 +229,33 @@ def install_from_env() -> None:
 
 #: the calls key under which :func:`window_totals` counts the processes' minor page faults (0 seconds)
 FAULTS_KEY = "process.minor_faults"
+
+
+def duration_bucket(seconds: float) -> int:
+    """A call's bucket of :attr:`StepTimers.durations`: b holds calls of [2^(b-1), 2^b) microseconds (0: under one)."""
+    return int(seconds * 1e6).bit_length()
+
+
+def window_durations(paths: Iterable[Path], key: str, start: float, end: float) -> dict[int, int]:
+    """``key``'s calls over [start, end) by :func:`duration_bucket`, from every process's file (as
+    :func:`window_totals`; snapshots written before durations were recorded count none)."""
+    counts: dict[int, int] = collections.defaultdict(int)
+    for path in paths:
+        records = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                record = json.loads(line)
+                records.append((float(record["time"]), record.get("durations", {}).get(key, {})))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+        before = [r for r in records if r[0] < start]
+        upto = [r for r in records if r[0] < end]
+        if not upto:
+            continue
+        first = before[-1][1] if before else {}
+        for bucket, n in upto[-1][1].items():
+            counts[int(bucket)] += n - first.get(bucket, 0)
+    return {bucket: n for bucket, n in sorted(counts.items()) if n}
 
 
 def read_snapshots(path: Path) -> list[tuple[float, dict[str, float], dict[str, int]]]:
