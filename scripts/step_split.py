@@ -168,6 +168,7 @@ def served_durations(out_dir: Path, results: dict, key: str) -> list[str]:
     files in ``out_dir``: whether a function that reads dear in a round is dear at every call or at a few."""
     from vllm_treespec.cost import trace
     from vllm_treespec.patches import step_timers
+    from vllm_treespec.tools.bench_serve import timers_file
 
     lines = []
     methods = [m for m in results["methods"] if m.get("status") == "ok"]
@@ -176,7 +177,7 @@ def served_durations(out_dir: Path, results: dict, key: str) -> list[str]:
         for m in methods:
             stats = m["levels"].get(level) or {}
             for number, window in zip(m.get("round_numbers", []), stats.get("rounds_window") or []):
-                files = trace.files(out_dir / f"timers-{m['label']}-r{number}.jsonl")
+                files = trace.files(timers_file(out_dir, m["label"], number))
                 counts = step_timers.window_durations(files, key, *window) if window else {}
                 spread = ", ".join(f"<{2 ** b / 1000:g} ms: {n}" for b, n in counts.items()) or "no calls"
                 lines.append(f"  {m['label']} r{number}: {spread}")

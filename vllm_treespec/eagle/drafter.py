@@ -291,8 +291,9 @@ class EagleDrafter:
     def observe(self, ctx: ProposeContext) -> None:
         """A step that does not draft: keep its committed rows (the target's aux hidden states, tokens, positions)
         to write their K/V when the head next drafts for their request, in one batch with that step's rows (a
-        request's newest ``DEFERRED_ROWS_PER_REQUEST``). A row never written stays masked out of every later draft. Writing every request's rows each step cost ~3% of a
-        16-request step in small GEMMs and op dispatch, and a busy server's head drafts for few of them again."""
+        request's newest ``DEFERRED_ROWS_PER_REQUEST``). A row never written stays masked out of every later draft.
+        Writing every request's rows each step cost ~3% of a 16-request step in small GEMMs and op dispatch, and a
+        busy server's head drafts for few of them again."""
         if ctx.aux_hidden_states is None or ctx.hidden_row_start is None or self.head is None:
             return
         self._defer(ctx, self._segments(ctx))

@@ -12,9 +12,12 @@ In a server: ``VLLM_TREESPEC_STEP_TIMERS_FILE=/path/timers.jsonl`` (``bench serv
 server) makes the plugin install them in every process vLLM starts, after this project's own patches (so a patched
 vLLM function is timed with its wrapper), and each process that runs a timed function appends a snapshot of its
 running totals to ``/path/timers.jsonl.<pid>`` at most once a second: its wall-clock time, the totals in seconds and
-the calls. :func:`window_totals` reads the difference over a load level's window back from every process's file
-(the engine core's and the worker's functions are disjoint), :func:`per_step` turns it into milliseconds per engine
-step. This project's functions are wrapped once their module has been imported (checked at each snapshot).
+the calls, each function's calls by their time (:func:`duration_bucket`) and the process's minor page faults; the
+garbage collector's collections are timed as functions of their own (``gc.generationN``). :func:`window_totals` reads
+the difference over a load level's window back from every process's file (the engine core's and the worker's
+functions are disjoint), :func:`per_step` turns it into milliseconds per engine step, :func:`window_durations` gives
+one function's calls by time. This project's functions are wrapped once their module has been imported (checked at
+each snapshot).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, Iterator, NamedTuple
 
 STEP_TIMERS_FILE_ENV = "VLLM_TREESPEC_STEP_TIMERS_FILE"
 #: a server process writes its running totals at most this often
@@ -236,31 +239,18 @@ def duration_bucket(seconds: float) -> int:
     return int(seconds * 1e6).bit_length()
 
 
-def window_durations(paths: Iterable[Path], key: str, start: float, end: float) -> dict[int, int]:
-    """``key``'s calls over [start, end) by :func:`duration_bucket`, from every process's file (as
-    :func:`window_totals`; snapshots written before durations were recorded count none)."""
-    counts: dict[int, int] = collections.defaultdict(int)
-    for path in paths:
-        records = []
-        for line in Path(path).read_text().splitlines():
-            try:
-                record = json.loads(line)
-                records.append((float(record["time"]), record.get("durations", {}).get(key, {})))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-        before = [r for r in records if r[0] < start]
-        upto = [r for r in records if r[0] < end]
-        if not upto:
-            continue
-        first = before[-1][1] if before else {}
-        for bucket, n in upto[-1][1].items():
-            counts[int(bucket)] += n - first.get(bucket, 0)
-    return {bucket: n for bucket, n in sorted(counts.items()) if n}
+class Snapshot(NamedTuple):
+    """One line of a process's timer file: its running totals at ``time`` (wall clock). ``calls`` also holds the
+    process's minor page faults under :data:`FAULTS_KEY`; ``durations``: function -> bucket (a string, as JSON keeps
+    it) -> calls (empty in files written before they were recorded)."""
+    time: float
+    seconds: dict[str, float]
+    calls: dict[str, int]
+    durations: dict[str, dict[str, int]]
 
 
-def read_snapshots(path: Path) -> list[tuple[float, dict[str, float], dict[str, int]]]:
-    """(wall-clock time, seconds, calls) of each snapshot in one process's file (a torn line is skipped); its
-    minor page faults so far are counted under :data:`FAULTS_KEY` in the calls."""
+def read_snapshots(path: Path) -> list[Snapshot]:
+    """Every snapshot in one process's file (a torn line is skipped)."""
     snapshots = []
     for line in Path(path).read_text().splitlines():
         try:
@@ -268,10 +258,32 @@ def read_snapshots(path: Path) -> list[tuple[float, dict[str, float], dict[str, 
             calls = dict(record["calls"])
             if "minor_faults" in record:
                 calls[FAULTS_KEY] = int(record["minor_faults"])
-            snapshots.append((float(record["time"]), record["seconds"], calls))
-        except (ValueError, KeyError, TypeError):
+            snapshots.append(Snapshot(float(record["time"]), record["seconds"], calls, record.get("durations") or {}))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return snapshots
+
+
+def _window_ends(paths: Iterable[Path], start: float, end: float) -> Iterator[tuple[Snapshot | None, Snapshot]]:
+    """Per process's file with a snapshot before ``end``: (its last snapshot before ``start``, None if none; its last
+    before ``end``). A window's totals are the second less the first."""
+    for path in paths:
+        snapshots = read_snapshots(path)
+        upto = [s for s in snapshots if s.time < end]
+        if upto:
+            before = [s for s in upto if s.time < start]
+            yield (before[-1] if before else None), upto[-1]
+
+
+def window_durations(paths: Iterable[Path], key: str, start: float, end: float) -> dict[int, int]:
+    """``key``'s calls over [start, end) by :func:`duration_bucket`, from every process's file (as
+    :func:`window_totals`; snapshots written before durations were recorded count none)."""
+    counts: dict[int, int] = collections.defaultdict(int)
+    for first, last in _window_ends(paths, start, end):
+        earlier = first.durations.get(key, {}) if first is not None else {}
+        for bucket, n in last.durations.get(key, {}).items():
+            counts[int(bucket)] += n - earlier.get(bucket, 0)
+    return {bucket: n for bucket, n in sorted(counts.items()) if n}
 
 
 def window_totals(paths: Iterable[Path], start: float, end: float) -> tuple[dict[str, float], dict[str, int]]:
@@ -280,18 +292,11 @@ def window_totals(paths: Iterable[Path], start: float, end: float) -> tuple[dict
     :data:`FAULTS_KEY` too)."""
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
-    for path in paths:
-        snapshots = read_snapshots(path)
-        before = [s for s in snapshots if s[0] < start]
-        upto = [s for s in snapshots if s[0] < end]
-        if not upto:
-            continue
-        _, last_seconds, last_calls = upto[-1]
-        _, first_seconds, first_calls = before[-1] if before else (0.0, {}, {})
-        for key, value in last_seconds.items():
-            seconds[key] += value - first_seconds.get(key, 0.0)
-        for key, value in last_calls.items():
-            calls[key] += value - first_calls.get(key, 0)
+    for first, last in _window_ends(paths, start, end):
+        for key, value in last.seconds.items():
+            seconds[key] += value - (first.seconds.get(key, 0.0) if first is not None else 0.0)
+        for key, value in last.calls.items():
+            calls[key] += value - (first.calls.get(key, 0) if first is not None else 0)
     return dict(seconds), dict(calls)
 
 

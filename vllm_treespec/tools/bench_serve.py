@@ -152,7 +152,7 @@ class MethodRound:
         self.forwards_path = out_dir / f"forwards-{spec.label}-r{round_index + 1}.txt"
         trace.clear(self.forwards_path)  # workers append to <path>.<pid>, as the budget trace's
         env = {TRACE_ENV: str(self.trace_path), forward_times.FORWARD_TIMES_FILE_ENV: str(self.forwards_path)}
-        self.timers_path = out_dir / f"timers-{spec.label}-r{round_index + 1}.jsonl"
+        self.timers_path = timers_file(out_dir, spec.label, round_index + 1)
         trace.clear(self.timers_path)
         if args.step_timers:
             env[step_timers.STEP_TIMERS_FILE_ENV] = str(self.timers_path)
@@ -217,6 +217,12 @@ class MethodRound:
         add_forward_times(self.entry, forward_times.read_trace(trace.files(self.forwards_path)), windows)
         add_step_timers(self.entry, trace.files(self.timers_path), windows)
         return self.entry
+
+
+def timers_file(out_dir: Path, label: str, round_number: int) -> Path:
+    """The base name of a method's round's step-timer files (``--step-timers``; each process appends to
+    ``<base>.<pid>``, :func:`vllm_treespec.cost.trace.files` lists them)."""
+    return out_dir / f"timers-{label}-r{round_number}.jsonl"
 
 
 def crash_reason(log: str) -> str:
