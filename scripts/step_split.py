@@ -125,12 +125,14 @@ def print_own_profile(profiler, steps: int, count: int) -> None:
 def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
     """The lines ``--served`` prints from a ``bench serve --step-timers`` results.json: per level, each timed
     function's milliseconds per engine step for every method (the median over its rounds) and each method's
-    difference from no speculation's; functions under ``min_ms`` for every method are left out."""
+    difference from no speculation's (a function's time off a CPU as its own row, ``FUNCTION off-CPU``, where it was
+    counted, with its involuntary context switches per step above the table); functions under ``min_ms`` for every
+    method are left out."""
     lines = []
     methods = [m for m in results["methods"] if m.get("status") == "ok"]
     levels = sorted({level for m in methods for level in m["levels"]}, key=int)
     for level in levels:
-        medians, steps, faults = {}, {}, {}
+        medians, steps, faults, switches = {}, {}, {}, {}
         for m in methods:
             rounds = [r for r in (m["levels"].get(level) or {}).get("rounds_step_timers") or [] if r]
             if rounds:
@@ -139,6 +141,9 @@ def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
                                        for key in keys}
                 steps[m["label"]] = [r["steps"] for r in rounds]
                 faults[m["label"]] = [r.get("minor_faults_per_step") for r in rounds]
+                switches[m["label"]] = {key: statistics.median(r.get("switches_per_step", {}).get(key, 0.0)
+                                                               for r in rounds)
+                                        for key in {key for r in rounds for key in r.get("switches_per_step", {})}}
         if not medians:
             continue
         labels = list(medians)
@@ -148,6 +153,9 @@ def served_split(results: dict, min_ms: float = 0.005) -> list[str]:
         if any(f is not None for per_round in faults.values() for f in per_round):
             lines.append("  minor page faults per step (rounds): " + "; ".join(
                 f"{label} {' / '.join('-' if f is None else f'{f:.0f}' for f in faults[label])}" for label in labels))
+        for key in sorted({key for table in switches.values() for key in table}):
+            lines.append(f"  involuntary switches per step in {key} (median over rounds): " + "; ".join(
+                f"{label} {switches[label].get(key, 0.0):.3f}" for label in labels))
         header = "".join(f"{label:>12s}" for label in labels)
         others = [label for label in labels if label != "none"] if base is not None else []
         lines.append(f"  {'function':44s}{header}" + "".join(f"{label + ' - none':>16s}" for label in others))

@@ -8,6 +8,7 @@ import gc
 import io
 import json
 import sys
+import time
 import types
 
 import pytest
@@ -151,3 +152,51 @@ def test_each_call_is_counted_by_its_time_and_a_window_reads_the_spread_back(tim
     lines = load_script("step_split").served_durations(tmp_path, results, "Sampler.forward")
     assert lines == ["== 16 requests: Sampler.forward, calls by time (rounds)",
                      "  graft r1: <0.512 ms: 100, <2.048 ms: 3"]
+
+
+def test_the_step_s_big_functions_count_their_time_off_a_cpu_and_a_window_reads_it_back(timed_module, monkeypatch,
+                                                                                        tmp_path):
+    class Waits:
+        def sleep(self):  # off a CPU: waits
+            time.sleep(0.05)
+
+        def spin(self):  # on a CPU
+            until = time.perf_counter() + 0.05
+            while time.perf_counter() < until:
+                pass
+
+    timed_module.Waits = Waits
+    monkeypatch.setattr(step_timers, "OFF_CPU_TIMED", frozenset({"Waits.sleep", "Waits.spin"}))
+    monkeypatch.setattr(step_timers, "SNAPSHOT_SECONDS", 0.0)
+    sink = io.StringIO()
+    timers = step_timers.StepTimers(sink=sink, entries=[(timed_module.__name__, "Waits", "sleep"),
+                                                        (timed_module.__name__, "Waits", "spin"),
+                                                        (timed_module.__name__, "Engine", "step")])
+    timers.install()
+    timers.uninstall_gc()
+    waits = timed_module.Waits()
+    waits.sleep()
+    waits.spin()
+    assert timed_module.Engine().step(2) == 4
+    assert timers.off_cpu["Waits.sleep"][0] >= 0.04
+    assert timers.off_cpu["Waits.spin"][0] < 0.03  # another process may preempt it: not nothing, but not all
+    assert "Engine.step" not in timers.off_cpu and timers.calls["Waits.sleep"] == 1
+
+    path = tmp_path / "timers-graft-r1.jsonl.7"
+    step = step_timers.STEP_KEY
+    path.write_text(_snapshot(1.0, {step: 0.0}, {step: 0})
+                    + json.dumps({"time": 4.0, "seconds": {step: 2.0, "Sampler.forward": 0.04},
+                                  "calls": {step: 100, "Sampler.forward": 100},
+                                  "off_cpu": {"Sampler.forward": [0.01, 30]}}) + "\n")
+    seconds, calls = step_timers.window_totals([path], 0.5, 5.0)
+    assert seconds["Sampler.forward off-CPU"] == pytest.approx(0.01)
+    assert calls["Sampler.forward off-CPU"] == 100 and calls["Sampler.forward switches"] == 30
+    entry = {"label": "graft", "status": "ok", "levels": {"16": {}}}
+    bench_serve.add_step_timers(entry, [path], {"16": (0.5, 5.0)})
+    timed = entry["levels"]["16"]["step_timers"]
+    assert timed["ms_per_step"]["Sampler.forward off-CPU"] == pytest.approx(0.1)
+    assert timed["switches_per_step"] == {"Sampler.forward": 0.3}
+    entry["levels"]["16"]["rounds_step_timers"] = [timed]
+    lines = load_script("step_split").served_split({"methods": [entry]})
+    assert "  involuntary switches per step in Sampler.forward (median over rounds): graft 0.300" in lines
+    assert any(line.split()[:3] == ["Sampler.forward", "off-CPU", "0.100"] for line in lines)

@@ -13,7 +13,10 @@ server) makes the plugin install them in every process vLLM starts, after this p
 vLLM function is timed with its wrapper), and each process that runs a timed function appends a snapshot of its
 running totals to ``/path/timers.jsonl.<pid>`` at most once a second: its wall-clock time, the totals in seconds and
 the calls, each function's calls by their time (:func:`duration_bucket`) and the process's minor page faults; the
-garbage collector's collections are timed as functions of their own (``gc.generationN``). :func:`window_totals` reads
+garbage collector's collections are timed as functions of their own (``gc.generationN``). The step's big functions
+(:data:`OFF_CPU_TIMED`) also count the part of their wall time their thread was not on a CPU and the times it was
+preempted (involuntary context switches): whether a function that is slower in one server than in another computed
+longer or waited for a core. :func:`window_totals` reads
 the difference over a load level's window back from every process's file (the engine core's and the worker's
 functions are disjoint), :func:`per_step` turns it into milliseconds per engine step, :func:`window_durations` gives
 one function's calls by time. This project's functions are wrapped once their module has been imported (checked at
@@ -39,6 +42,17 @@ STEP_TIMERS_FILE_ENV = "VLLM_TREESPEC_STEP_TIMERS_FILE"
 SNAPSHOT_SECONDS = 1.0
 #: the function whose calls count the engine steps: one per step in the worker, whatever the process layout
 STEP_KEY = "GPUModelRunner.execute_model"
+
+#: the functions whose calls also count their time off a CPU (wall less the thread's CPU time) and involuntary context
+#: switches, read back as ``"KEY off-CPU"`` (seconds, calls) and ``"KEY switches"`` (calls): four system calls a
+#: call, so only for the few calls a step that hold nearly all of its time
+OFF_CPU_TIMED = frozenset({
+    "EngineCore.step", "Worker.execute_model", "Worker.sample_tokens", "GPUModelRunner._prepare_inputs",
+    "GPUModelRunner._model_forward", "LlamaForCausalLM.compute_logits", "Sampler.forward",
+    "GPUModelRunner.propose_draft_token_ids",
+})
+OFF_CPU_SUFFIX = " off-CPU"
+SWITCHES_SUFFIX = " switches"
 
 #: (module, class, method) of the functions timed; missing ones are skipped (a method without a tree verifier, a
 #: process without an engine core). A module-level function is timed as the module that calls it imported it:
@@ -141,6 +155,8 @@ class StepTimers:
         #: per function, calls by :func:`duration_bucket` of their time: whether a dear function is dear at every call
         #: or at a few
         self.durations: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        #: per function of :data:`OFF_CPU_TIMED`: [seconds off a CPU, involuntary context switches]
+        self.off_cpu: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
 
     def install(self) -> None:
         """Wrap every function of :data:`TIMED` not wrapped yet (idempotent), and time the garbage collector's
@@ -168,9 +184,26 @@ class StepTimers:
             setattr(owner, name, self._timed(original, f"{class_name or module_name.rsplit('.', 1)[-1]}.{name}"))
 
     def _timed(self, original, key: str):
-        totals, calls = self.totals, self.calls
-        durations = self.durations[key]
-        forward = key == "GPUModelRunner._model_forward" and self.on_forward is not None
+        record = self._recorder(key)
+        if key in OFF_CPU_TIMED:
+            off_cpu = self.off_cpu[key]
+
+            @functools.wraps(original)
+            def timed_off_cpu(*args, **kwargs):
+                # the thread's CPU clock is exact; getrusage's CPU times advance only at the scheduler's ticks, its
+                # switch counts are exact
+                switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+                cpu = time.thread_time()
+                started = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    seconds = time.perf_counter() - started
+                    off_cpu[0] += max(seconds - (time.thread_time() - cpu), 0.0)
+                    off_cpu[1] += resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw - switches
+                    record(seconds, args, kwargs)
+
+            return timed_off_cpu
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
@@ -178,17 +211,28 @@ class StepTimers:
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds = time.perf_counter() - started
-                totals[key] += seconds
-                calls[key] += 1
-                durations[duration_bucket(seconds)] += 1
-                if forward:
-                    ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
-                    self.on_forward(int(ids.shape[0]) if ids is not None else -1, seconds)
-                if self.sink is not None:
-                    self._maybe_snapshot()
+                record(time.perf_counter() - started, args, kwargs)
 
         return timed
+
+    def _recorder(self, key: str):
+        """What every timed call of ``key`` does once it returned: add its time and call (and a forward's tokens to
+        ``on_forward``), and write a snapshot when one is due."""
+        totals, calls = self.totals, self.calls
+        durations = self.durations[key]
+        forward = key == "GPUModelRunner._model_forward" and self.on_forward is not None
+
+        def record(seconds: float, args, kwargs) -> None:
+            totals[key] += seconds
+            calls[key] += 1
+            durations[duration_bucket(seconds)] += 1
+            if forward:
+                ids = kwargs.get("input_ids", args[1] if len(args) > 1 else None)
+                self.on_forward(int(ids.shape[0]) if ids is not None else -1, seconds)
+            if self.sink is not None:
+                self._maybe_snapshot()
+
+        return record
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -212,7 +256,8 @@ class StepTimers:
         self.install()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt  # pages first touched: fresh allocations
         self.sink.write(json.dumps({"time": now, "seconds": self.totals, "calls": self.calls,
-                                    "minor_faults": faults, "durations": self.durations}) + "\n")
+                                    "minor_faults": faults, "durations": self.durations,
+                                    "off_cpu": self.off_cpu}) + "\n")
 
 
 _installed: list[StepTimers] = []
@@ -241,7 +286,9 @@ def duration_bucket(seconds: float) -> int:
 
 class Snapshot(NamedTuple):
     """One line of a process's timer file: its running totals at ``time`` (wall clock). ``calls`` also holds the
-    process's minor page faults under :data:`FAULTS_KEY`; ``durations``: function -> bucket (a string, as JSON keeps
+    process's minor page faults under :data:`FAULTS_KEY`, and for each function of :data:`OFF_CPU_TIMED` its seconds
+    off a CPU under ``seconds`` and ``calls`` as ``KEY + OFF_CPU_SUFFIX`` and its involuntary switches under ``calls``
+    as ``KEY + SWITCHES_SUFFIX``; ``durations``: function -> bucket (a string, as JSON keeps
     it) -> calls (empty in files written before they were recorded)."""
     time: float
     seconds: dict[str, float]
@@ -256,9 +303,14 @@ def read_snapshots(path: Path) -> list[Snapshot]:
         try:
             record = json.loads(line)
             calls = dict(record["calls"])
+            seconds = dict(record["seconds"])
             if "minor_faults" in record:
                 calls[FAULTS_KEY] = int(record["minor_faults"])
-            snapshots.append(Snapshot(float(record["time"]), record["seconds"], calls, record.get("durations") or {}))
+            for key, (off, switches) in (record.get("off_cpu") or {}).items():
+                seconds[key + OFF_CPU_SUFFIX] = float(off)
+                calls[key + OFF_CPU_SUFFIX] = calls.get(key, 0)
+                calls[key + SWITCHES_SUFFIX] = int(switches)
+            snapshots.append(Snapshot(float(record["time"]), seconds, calls, record.get("durations") or {}))
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return snapshots

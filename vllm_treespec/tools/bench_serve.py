@@ -330,8 +330,9 @@ def add_step_timers(entry: dict[str, Any], paths: list[Path], windows: dict[str,
     """Each level's ``step_timers`` (``--step-timers``): the server's engine steps in the level's window
     (``"steps"``), each timed function's milliseconds per step (``"ms_per_step"``,
     :mod:`vllm_treespec.patches.step_timers`) and the processes' minor page faults per step
-    (``"minor_faults_per_step"``: memory touched for the first time), engine core and worker together; nothing
-    without timer files."""
+    (``"minor_faults_per_step"``: memory touched for the first time), engine core and worker together, and the
+    involuntary context switches per step within each function that counts them (``"switches_per_step"``; its time
+    off a CPU is in ``ms_per_step`` as ``"FUNCTION off-CPU"``); nothing without timer files."""
     if not paths:
         return
     for level, (start, end) in windows.items():
@@ -341,7 +342,9 @@ def add_step_timers(entry: dict[str, Any], paths: list[Path], windows: dict[str,
             steps = calls.get(step_timers.STEP_KEY, 0)
             entry["levels"][level]["step_timers"] = (None if per_step is None else {
                 "steps": steps, "ms_per_step": per_step,
-                "minor_faults_per_step": calls.get(step_timers.FAULTS_KEY, 0) / steps})
+                "minor_faults_per_step": calls.get(step_timers.FAULTS_KEY, 0) / steps,
+                "switches_per_step": {key.removesuffix(step_timers.SWITCHES_SUFFIX): n / steps
+                                      for key, n in calls.items() if key.endswith(step_timers.SWITCHES_SUFFIX)}})
 
 
 def add_budget_trace(entry: dict[str, Any], paths: list[Path], windows: dict[str, tuple[float, float]]) -> None:
