@@ -572,15 +572,21 @@ def test_a_crashed_servers_reason_is_the_exception_its_log_ends_with():
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_keep_off_worker_cpus_pins_every_server_process_but_the_worker():
     """bench serve's default CPU placement: every thread of the server's processes goes to the CPUs its workers
-    (processes bound to fewer CPUs than the server, as vLLM binds its CPU worker) left free; the workers keep
-    theirs; a server without such a worker is left alone."""
+    (processes bound to fewer CPUs than the server, as vLLM binds its CPU worker) left free, and so do the workers'
+    helper threads; the workers' own threads keep theirs; a server without such a worker is left alone."""
     import psutil
 
     from vllm_treespec.tools.serving import keep_off_worker_cpus
 
     cpus = sorted(os.sched_getaffinity(0))
     worker_cpu = cpus[0]
-    worker = f"import os, time; os.sched_setaffinity(0, {{{worker_cpu}}}); print(1, flush=True); time.sleep(60)"
+    # a worker bound to one CPU, with a helper thread started after the binding (as torch.distributed's gloo loops)
+    worker = (f"import ctypes, os, threading, time; os.sched_setaffinity(0, {{{worker_cpu}}})\n"
+              "def helper():\n"
+              "    ctypes.CDLL(None).prctl(15, b'gloo_tcp_loop')  # PR_SET_NAME: the thread's name in /proc\n"
+              "    time.sleep(60)\n"
+              "threading.Thread(target=helper, daemon=True).start(); time.sleep(0.2)\n"
+              "print(1, flush=True); time.sleep(60)\n")
 
     def server(with_worker: bool) -> subprocess.Popen:
         code = ("import subprocess, sys, threading, time\n"
@@ -601,7 +607,9 @@ def test_keep_off_worker_cpus_pins_every_server_process_but_the_worker():
         threads = os.listdir(f"/proc/{served.pid}/task")
         assert len(threads) >= 2 and all(os.sched_getaffinity(int(t)) == free for t in threads)
         [child] = psutil.Process(served.pid).children()
-        assert child.cpu_affinity() == [worker_cpu]
+        assert child.cpu_affinity() == [worker_cpu]  # its compute thread keeps its binding, its helper does not
+        helpers = [t for t in os.listdir(f"/proc/{child.pid}/task") if int(t) != child.pid]
+        assert len(helpers) == 1 and os.sched_getaffinity(int(helpers[0])) == free
     finally:
         for proc in (plain, served):
             os.killpg(proc.pid, 9)

@@ -181,8 +181,9 @@ class MethodRound:
         return True
 
     def placement(self) -> contextlib.AbstractContextManager[set[int] | None]:
-        """The API server, the engine core and this load generator on the CPUs vLLM reserved for them, off the
-        worker's: what a deployment on a dedicated machine does (taskset), and steadier figures."""
+        """The API server, the engine core, this load generator and the worker's helper threads (gloo, ZeroMQ) on
+        the CPUs vLLM reserved for them, off the worker's: what a deployment on a dedicated machine does (taskset),
+        and steadier figures."""
         if self.args.cpu_affinity != "reserved":
             return contextlib.nullcontext()
         return off_the_workers_cpus(self.server.process.pid)
