@@ -658,3 +658,27 @@ def test_step_budget_for_a_runner_that_cannot_be_measured_is_none():
     from vllm_treespec.cost.budget import StepBudget
 
     assert StepBudget.for_runner(object(), max_nodes=4) is None
+
+
+def test_a_probe_s_allowance_is_never_negative_and_the_plain_step_is_always_affordable():
+    """A fitted curve may predict a step with one more row as cheaper than the plain step (between its points, or
+    with a context term); a probe priced on it once got a negative allowance, and a step whose trees were all empty
+    then found no affordable prefix at all, not even the plain step: the served engine died (IndexError). The
+    allowance is floored at zero and the plain step is affordable whatever the allowance."""
+
+    class Drafter:
+        def predict(self, x):
+            return 0.020 * x  # dear enough that drafting does not pay: the gate probes
+
+    dips = Curve(lambda t: np.where(t > 1, 0.050, 0.060))  # one more row predicted 10 ms cheaper
+    gate = DraftGate(dips, Drafter(), probe_every=1, probe_share=0.01)
+    gate.record([star([0.01])])  # nothing that pays
+    while not gate.should_draft(1):
+        pass
+    assert gate.probing and gate.probe_seconds is not None and gate.probe_seconds >= 0.0
+    empty = DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
+    for allowance in (gate.probe_seconds, -0.010):
+        for explore in (True, False):
+            nothing = allocate([empty, None], MIDDLE, max_extra_seconds=allowance, explore=explore)
+            assert nothing.total_nodes == 0 and nothing.trees == [None, None]
+    assert allocate([star([0.5, 0.4])], MIDDLE, max_extra_seconds=-0.010, explore=True).total_nodes == 0

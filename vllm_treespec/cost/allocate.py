@@ -176,6 +176,7 @@ def best_prefix(gains: np.ndarray, cost: StepCost, num_reqs: int, base_tokens: i
     plain = float(rates[0])
     if max_extra_seconds is not None:
         affordable = seconds - seconds[0] <= max_extra_seconds + ROUNDING_SECONDS
+        affordable[0] = True  # the plain step, whatever the allowance (a negative one once killed a served engine)
         if explore:
             k = int(np.flatnonzero(affordable)[-1])
             return k, float(expected[k]), float(seconds[k]), plain
@@ -545,7 +546,7 @@ class DraftGate:
                                                       per_request=extra_seconds / num_reqs)
             if affordable:
                 allowance, self.allowance = self.allowance, 0.0
-                return self._probe(allowance - call, requests=affordable)
+                return self._probe(max(allowance - call, 0.0), requests=affordable)
         if after_probe:  # what the probe learned does not pay either
             self.interval = min(2 * self.interval, self.max_probe_every)
         self.skipped += 1
@@ -576,7 +577,9 @@ class DraftGate:
         drafter's predicted call for that many requests; and that call's predicted seconds (0: not timed yet)."""
         extra = np.arange(limit + 1, dtype=np.float64)
         seconds = self._step_seconds(num_reqs, extra, base_tokens, row_excess)
-        verifying = seconds[1:] - seconds[0] + per_request * extra[1:]
+        # a row never makes a step cheaper, whatever a fitted curve says between its points: a negative price here
+        # left a probe a negative allowance
+        verifying = np.maximum(seconds[1:] - seconds[0], 0.0) + per_request * extra[1:]
         affordable, call = 0, 0.0
         for k in range(1, limit + 1):  # rarely more than a few: verifying alone soon exceeds the allowance
             seconds_k = self._measured_call(k) or 0.0
