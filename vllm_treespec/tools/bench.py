@@ -30,7 +30,8 @@ Timed runs exclude a warm-up generation. With ``--repeats R`` every repeat runs 
 state, such as suffix_tree's store of finished outputs, carries over), the repeats go round-robin over the methods
 in reverse order every other round (A B, B A, ...: the machine's drift, and whatever the engine before leaves on it,
 reach every method alike), and the median of the throughputs is reported. On a CPU engine this process (the
-engine's front end) and the engine core are pinned to the CPUs vLLM's worker left free (``--cpu-affinity``).
+engine's front end), the engine core and the worker's helper threads (gloo, ZeroMQ) are pinned to the CPUs vLLM's
+worker left free (``--cpu-affinity``).
 
 ``vllm-treespec bench serve ...`` is the online load sweep (:mod:`vllm_treespec.tools.bench_serve`).
 """
@@ -505,7 +506,7 @@ def run_repeat(model: str, tokenizer, result: MethodResult, questions: dict[str,
     finally:
         os.environ.pop(TRACE_ENV, None)
         os.environ.pop(forward_times.FORWARD_TIMES_ENV, None)
-    # this front end and the engine core off the worker's cores while the engine runs
+    # this front end, the engine core and the worker's helper threads off the worker's cores while it runs
     placement = off_the_workers_cpus(os.getpid()) if args.cpu_affinity == "reserved" else contextlib.nullcontext()
     try:
         with placement:
@@ -809,9 +810,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip torch.compile (starts in seconds instead of minutes on a cold compile cache)")
     parser.add_argument("--repeats", type=int, default=1, help="timed repeats, each on a fresh engine; median reported")
     parser.add_argument("--cpu-affinity", choices=("reserved", "os"), default="reserved",
-                        help="CPU engine: 'reserved' (default) pins this process (the engine's front end) and the "
-                        "engine core to the CPUs vLLM's worker left free, off the worker's; 'os' leaves placement "
-                        "to the OS (they then take turns with the worker's thread)")
+                        help="CPU engine: 'reserved' (default) pins this process (the engine's front end), the "
+                        "engine core and the worker's helper threads (gloo, ZeroMQ) to the CPUs vLLM's worker left "
+                        "free, off the worker's; 'os' leaves placement to the OS (they then take turns with the "
+                        "worker's thread)")
     parser.add_argument("--out", default="bench_out", help="folder for results.json and the PNG plots")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     return parser
