@@ -682,3 +682,20 @@ def test_a_probe_s_allowance_is_never_negative_and_the_plain_step_is_always_affo
             nothing = allocate([empty, None], MIDDLE, max_extra_seconds=allowance, explore=explore)
             assert nothing.total_nodes == 0 and nothing.trees == [None, None]
     assert allocate([star([0.5, 0.4])], MIDDLE, max_extra_seconds=-0.010, explore=True).total_nodes == 0
+
+
+def test_a_row_never_makes_a_step_cheaper_for_the_gate_or_the_allocator():
+    """Where the predicted step dips as rows are added (short requests' negative context terms on a flat stretch of
+    the curve), neither the gate nor the allocator sees a step cheaper than the plain one: the dip is priced flat,
+    as on a flat curve at the plain step's time, never below it."""
+    dips = Curve(lambda t: 0.060 - 0.002 * (t - 1))  # every row 2 ms cheaper: nonsense a fit can produce locally
+    flat = Curve(lambda t: np.full_like(t, 0.060))
+    trees = [star([0.3, 0.2, 0.1])]
+    on_dips, on_flat = allocate(trees, dips), allocate(trees, flat)
+    assert on_dips.seconds == pytest.approx(0.060) and on_dips.rate == pytest.approx(on_flat.rate)  # before: 0.054 s
+    gates = []
+    for curve in (dips, flat):
+        gate = DraftGate(curve, None)
+        gate.record(trees)
+        gates.append(gate._rates(1, None, None, 0.0, None))
+    assert gates[0] == pytest.approx(gates[1])  # (best, plain): before, the dip raised the best rate by 11%
