@@ -16,11 +16,10 @@ the calls, each function's calls by their time (:func:`duration_bucket`) and the
 garbage collector's collections are timed as functions of their own (``gc.generationN``). The step's big functions
 (:data:`OFF_CPU_TIMED`) also count the part of their wall time their thread was not on a CPU and the times it was
 preempted (involuntary context switches): whether a function that is slower in one server than in another computed
-longer or waited for a core. :func:`window_totals` reads
-the difference over a load level's window back from every process's file (the engine core's and the worker's
-functions are disjoint), :func:`per_step` turns it into milliseconds per engine step, :func:`window_durations` gives
-one function's calls by time. This project's functions are wrapped once their module has been imported (checked at
-each snapshot).
+longer or waited for a core. :func:`window_totals` reads the difference over a load level's window back from every
+process's file (the engine core's and the worker's functions are disjoint), :func:`per_step` turns it into
+milliseconds per engine step, :func:`window_durations` gives one function's calls by time. This project's functions
+are wrapped once their module has been imported (checked at each snapshot).
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def keep_off_worker_cpus(root_pid: int) -> set[int]:
 
     root = psutil.Process(root_pid)
     everything = set(root.cpu_affinity())
-    procs, worker_procs, workers = [], [], set()
+    moved, workers = [], set()  # (pid, the names of its threads to move; None: every thread)
     for proc in [root] + root.children(recursive=True):
         try:
             cpus = set(proc.cpu_affinity())
@@ -184,21 +184,16 @@ def keep_off_worker_cpus(root_pid: int) -> set[int]:
             continue
         if cpus < everything:
             workers |= cpus
-            worker_procs.append(proc)
+            moved.append((proc.pid, WORKER_HELPER_THREADS))
         else:
-            procs.append(proc)
+            moved.append((proc.pid, None))
     free = everything - workers
     if not workers or not free:
         return set()
-    for proc in procs:
+    for pid, named in moved:
         try:
-            pin_threads(proc.pid, free)
+            pin_threads(pid, free, named=named)
         except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
-            pass
-    for proc in worker_procs:
-        try:
-            pin_threads(proc.pid, free, named=WORKER_HELPER_THREADS)
-        except (FileNotFoundError, ProcessLookupError):
             pass
     return free
 
