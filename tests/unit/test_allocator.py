@@ -699,3 +699,29 @@ def test_a_row_never_makes_a_step_cheaper_for_the_gate_or_the_allocator():
         gate.record(trees)
         gates.append(gate._rates(1, None, None, 0.0, None))
     assert gates[0] == pytest.approx(gates[1])  # (best, plain): before, the dip raised the best rate by 11%
+
+
+def test_steps_timed_slow_at_a_few_drafts_do_not_price_every_larger_tree_as_dear():
+    """A served engine's warm-up ran beside a neighbouring server's start: its first verifying steps of 2-7 tokens
+    read ~2x their curve and taught the draft correction there; its later verifying steps were all of 33 tokens (the
+    gate's probes), at 0.8x. With prices made monotone by a running maximum, a tree of any size cost at least the
+    2-token step's inflated price, so the gate never drafted again and no small step was timed to correct it. Prices
+    are monotone by trusting the cheaper of two predictions: 1 draft costs at most what 32 do."""
+    curve = PiecewiseLinear([1, 2, 4, 8, 16, 32, 64], [0.028, 0.030, 0.024, 0.030, 0.036, 0.043, 0.07])
+    model = StepCostModel(curve)
+    for tokens, ratio in ((4, 2.0), (2, 2.2), (7, 1.9), (4, 2.0)):  # the contended warm-up: slow steps, few drafts
+        model.observe(tokens, 1, float(curve(tokens)) * ratio, drafts=tokens - 1)
+    for _ in range(40):
+        model.observe(1, 1, 0.024)  # plain steps at one request
+        model.observe(33, 1, float(curve(33)) * 0.8, drafts=32)  # the probes: large trees, faster than the curve
+    raw = model.predict_many(np.arange(1, 34, dtype=np.float64), 1, plain_tokens=1)
+    assert raw[1] > raw[32] > raw[0]  # the trap's shape: one draft priced dearer than 32
+
+    trees = [star([0.4, 0.2, 0.1] + [0.02] * 29)]  # 1.28 accepted drafts expected of 32 nodes: pay at 35 ms, not at 57
+    allocation = allocate(trees, model)
+    assert allocation.total_nodes > 0 and allocation.seconds <= raw[32] + 1e-12  # before: no node admitted
+    gate = DraftGate(model, None)
+    gate.record(trees)
+    best, plain = gate._rates(1, 32, None, 0.0, None)
+    assert best > plain  # before: every drafting step priced at least raw[1], and the gate skipped
+    assert gate.should_draft(1, 32)
