@@ -886,10 +886,10 @@ def test_bench_serve_pairs_every_tree_method_with_vllms_best_method_at_each_leve
     assert "vs_builtin" not in alone[1]["levels"]["1"]
 
 
-def _healthy_fake_servers(monkeypatch, tmp_path, on_level, seconds=lambda label: 1.0):
+def _healthy_fake_servers(monkeypatch, tmp_path, on_level, seconds=lambda label: 1.0, on_warm_up=None):
     """``bench serve`` against servers that always start and stay up, each level answered at once: ``on_level(
-    concurrency, label)`` is called for every level but the warm-ups, and a level of server ``label`` reports
-    ``seconds(label)`` of wall time. Returns the path of 8 one-turn prompts."""
+    concurrency, label)`` is called for every level but the warm-ups (``on_warm_up(label)`` for those), and a level
+    of server ``label`` reports ``seconds(label)`` of wall time. Returns the path of 8 one-turn prompts."""
     from vllm_treespec.tools import bench_serve
 
     path = tmp_path / "q.jsonl"
@@ -917,6 +917,8 @@ def _healthy_fake_servers(monkeypatch, tmp_path, on_level, seconds=lambda label:
         label = url.rsplit(":", 1)[1]
         if prompts[0] != bench_serve.WARMUP_PROMPT:
             on_level(concurrency, label)
+        elif on_warm_up is not None:
+            on_warm_up(label)
         reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
                                 chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
         return [reply] * len(prompts), seconds(label)
@@ -935,21 +937,25 @@ def test_bench_serve_turn_pause_waits_only_between_different_servers(tmp_path, m
     from vllm_treespec.tools import bench_serve
 
     events = []
-    path = _healthy_fake_servers(monkeypatch, tmp_path, lambda concurrency, label: events.append((concurrency, label)))
+    path = _healthy_fake_servers(monkeypatch, tmp_path, lambda concurrency, label: events.append((concurrency, label)),
+                                 on_warm_up=lambda label: events.append(("warm-up", label)))
     monkeypatch.setattr(bench_serve.time, "sleep", lambda seconds: events.append(("pause", seconds)))
     common = ["--model", str(tmp_path), "--prompts", str(path), "--concurrency", "1,2", "--requests-per-level", "2",
               "--methods", "graft", "--interleave", "--cpu-affinity", "os", "--out", str(tmp_path / "out")]
     bench_serve.main(common + ["--turn-pause", "1.5"])
-    # warm-ups: none, graft; level 1: none (after graft's warm-up), graft; level 2 reversed: graft (itself), none
-    assert events == [("pause", 1.5), (1, "none"), ("pause", 1.5), (1, "graft"), (2, "graft"), ("pause", 1.5),
-                      (2, "none")]
+    # warm-ups: none, graft (after none's); level 1: none (after graft's warm-up), graft; level 2 reversed: graft
+    # (itself), none
+    warm_ups = [("warm-up", "none"), ("pause", 1.5), ("warm-up", "graft")]
+    assert events == warm_ups + [("pause", 1.5), (1, "none"), ("pause", 1.5), (1, "graft"), (2, "graft"),
+                                 ("pause", 1.5), (2, "none")]
     events.clear()
     bench_serve.main(common + ["--turn-pause", "0"])
-    assert events == [(1, "none"), (1, "graft"), (2, "graft"), (2, "none")]
+    assert events == [("warm-up", "none"), ("warm-up", "graft"), (1, "none"), (1, "graft"), (2, "graft"), (2, "none")]
     events.clear()
     bench_serve.main(common)  # paused by default
-    assert events == [("pause", bench_serve.TURN_PAUSE_S), (1, "none"), ("pause", bench_serve.TURN_PAUSE_S),
-                      (1, "graft"), (2, "graft"), ("pause", bench_serve.TURN_PAUSE_S), (2, "none")]
+    pause = ("pause", bench_serve.TURN_PAUSE_S)
+    assert events == [("warm-up", "none"), pause, ("warm-up", "graft"), pause, (1, "none"), pause, (1, "graft"),
+                      (2, "graft"), pause, (2, "none")]
 
 
 def test_bench_serve_writes_each_finished_round_before_the_next(tmp_path, monkeypatch):

@@ -286,6 +286,10 @@ def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.
         previous: MethodRound | None = None  # the server that ran the last level (or warmed up last)
         with contextlib.ExitStack() as placements:
             for run in live:
+                if previous is not None and args.turn_pause > 0:
+                    # as between turns: a warm-up beside the last one's polling worker (both workers share a core)
+                    # ran 2x slow, and its engine's step-cost corrections learnt from those steps
+                    time.sleep(args.turn_pause)
                 run.warm_up(placements.enter_context(run.placement()))
                 previous = run
             for level, (concurrency, batch) in enumerate(tqdm(level_batches(prompts, args), desc="levels",
@@ -590,11 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "but all must fit in memory together: each gets the KV cache the busiest level needs "
                         "(VLLM_CPU_KVCACHE_SPACE if set), and servers that would not fit are refused before any starts")
     parser.add_argument("--turn-pause", type=float, default=TURN_PAUSE_S, metavar="SECONDS",
-                        help="with --interleave, wait this long before a server's turn when another server ran the "
-                        "turn before (default %(default)s; 0: no pause): after its last response a server keeps one "
-                        "core fully busy for 1.0 s (vLLM's message queues poll with sched_yield), the cores the next "
-                        "server's prefill needs; without the pause a turn after another server's reached its first "
-                        "decode step 0.6-1.0 s late (bf16, 16 requests)")
+                        help="with --interleave, wait this long before a server's turn or warm-up when another "
+                        "server ran the turn before (default %(default)s; 0: no pause): after its last response a "
+                        "server keeps one core fully busy for 1.0 s (vLLM's message queues poll with sched_yield), "
+                        "the cores the next server's prefill needs; without the pause a turn after another server's "
+                        "reached its first decode step 0.6-1.0 s late (bf16, 16 requests), and a warm-up after "
+                        "another's ran 2x slow")
     parser.add_argument("--plain", default="", help="comma-separated labels of methods whose servers never draft "
                         "(VLLM_TREESPEC_NEVER_DRAFT=1: every step as one the gate refuses): what a method's plain "
                         "steps cost against no speculation's; e.g. --methods 'graft;graft_plain=graft' --plain graft_plain")
