@@ -60,11 +60,11 @@ def _prefix_seconds(cost: StepCost, num_tokens: np.ndarray, num_reqs: int, exces
     The floor: a row of a request shorter than the curve's context carries a negative context term, which on a curve
     flat between its points priced it below zero (a served engine's own curve: 18.17, 17.96, 17.75 ms for 0, 1, 2
     such rows at 4 requests), so drafting looked cheaper than the plain step. The ceiling trusts the cheaper of two
-    predictions that disagree: a step timed while something else held the core (a neighbouring server starting) only
-    ever reads slower, and the correction of a size the gate then prices too dear is never timed again. In a served
-    bf16 engine whose warm-up ran beside its neighbour's, verifying 1 draft was priced at 93 ms, 32 drafts at 50 ms and
-    the plain step at 25 ms; a running maximum priced every tree at 93 ms or more, and graft stopped drafting at one
-    request for a whole level (it drafted on 118 of its 1,854 steps)."""
+    predictions that disagree: a step timed while something else held the core (a neighbouring server's polling
+    worker) only ever reads slower, and the correction of a size the gate then prices too dear is never timed again.
+    In a served bf16 engine whose warm-up ran beside its neighbour's, verifying 1 draft was priced at 93 ms, 32 drafts
+    at 50 ms and the plain step at 25 ms; a running maximum priced every tree at 93 ms or more, and graft stopped
+    drafting at one request for a whole level (it drafted on 118 of its 1,854 steps)."""
     seconds = _predict(cost, num_tokens, num_reqs, excess, plain_tokens, request_excess)
     if seconds.size > 1:
         seconds[1:] = np.maximum(np.minimum.accumulate(seconds[:0:-1])[::-1], seconds[0])

@@ -287,8 +287,8 @@ def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.
         with contextlib.ExitStack() as placements:
             for run in live:
                 if previous is not None and args.turn_pause > 0:
-                    # as between turns: a warm-up beside the last one's polling worker (both workers share a core)
-                    # ran 2x slow, and its engine's step-cost corrections learnt from those steps
+                    # as between turns: a warm-up while the last server still polled ran 2x slow, and its engine's
+                    # step-cost corrections learnt from those steps
                     time.sleep(args.turn_pause)
                 run.warm_up(placements.enter_context(run.placement()))
                 previous = run
