@@ -702,7 +702,7 @@ def test_a_row_never_makes_a_step_cheaper_for_the_gate_or_the_allocator():
 
 
 def test_steps_timed_slow_at_a_few_drafts_do_not_price_every_larger_tree_as_dear():
-    """A served engine's warm-up ran beside a neighbouring server's start: its first verifying steps of 2-7 tokens
+    """A served engine's warm-up ran while a neighbouring server still polled: its first verifying steps of 2-7 tokens
     read ~2x their curve and taught the draft correction there; its later verifying steps were all of 33 tokens (the
     gate's probes), at 0.8x. With prices made monotone by a running maximum, a tree of any size cost at least the
     2-token step's inflated price, so the gate never drafted again and no small step was timed to correct it. Prices

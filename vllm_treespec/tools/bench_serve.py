@@ -284,22 +284,26 @@ def run_interleaved(specs: list[MethodSpec], prompts: list[str], args: argparse.
     try:
         live = [run for run in runs if run.start()]
         previous: MethodRound | None = None  # the server that ran the last level (or warmed up last)
+
+        def take_turn(run: MethodRound) -> None:
+            """Before ``run`` works after another server: let that one's worker and engine core go idle first (a
+            level after another's started late; a warm-up beside one ran 2x slow, and its engine's step-cost
+            corrections learnt from those steps)."""
+            nonlocal previous
+            if previous is not None and previous is not run and args.turn_pause > 0:
+                time.sleep(args.turn_pause)
+            previous = run
+
         with contextlib.ExitStack() as placements:
             for run in live:
-                if previous is not None and args.turn_pause > 0:
-                    # as between turns: a warm-up while the last server still polled ran 2x slow, and its engine's
-                    # step-cost corrections learnt from those steps
-                    time.sleep(args.turn_pause)
+                take_turn(run)
                 run.warm_up(placements.enter_context(run.placement()))
-                previous = run
             for level, (concurrency, batch) in enumerate(tqdm(level_batches(prompts, args), desc="levels",
                                                               unit="level", file=sys.stderr)):
                 for run in round_order(live, level):
                     if run.server.alive():
-                        if previous is not None and previous is not run and args.turn_pause > 0:
-                            time.sleep(args.turn_pause)  # the last server's worker and engine core go idle first
+                        take_turn(run)
                         run.run_level(concurrency, batch)
-                        previous = run
                     else:  # what is left of a crashed server (a worker spinning on) must not slow the others
                         run.server.stop()
     finally:
