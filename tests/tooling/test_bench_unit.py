@@ -708,7 +708,8 @@ def test_bench_serve_interleave_runs_every_server_level_by_level_in_turn(tmp_pat
             events.append((concurrency, label, tuple(prompts)))
             servers[label].crashed = servers[label].crashes
         reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
-                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
+                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None, started=0.0,
+                                usage=None)
         return [reply] * len(prompts), 2.0 if label == "none" else 1.0
 
     monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
@@ -920,7 +921,8 @@ def _healthy_fake_servers(monkeypatch, tmp_path, on_level, seconds=lambda label:
         elif on_warm_up is not None:
             on_warm_up(label)
         reply = SimpleNamespace(ok=True, finish_reason="stop", completion_tokens=10, first_token_s=0.1, elapsed_s=1.0,
-                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None)
+                                chunk_gaps_s=[0.1], chunks=5, status=200, error=None, body=None, started=0.0,
+                                usage=None)
         return [reply] * len(prompts), seconds(label)
 
     monkeypatch.setattr(bench_serve, "ServerProcess", FakeServer)
@@ -982,3 +984,25 @@ def test_bench_serve_writes_each_finished_round_before_the_next(tmp_path, monkey
     assert by["graft"]["rounds"] == by["none"]["rounds"] == 2
     assert by["graft"]["levels"]["1"]["rounds_vs_none"] == [2.0, 2.0]
     assert (out / "table.txt").read_text().startswith("partial: 2 of 3 rounds\n")
+
+
+def test_bench_serve_keeps_every_requests_own_timings_in_the_order_sent():
+    from vllm_treespec.tools.bench_serve import level_stats
+    from vllm_treespec.tools.serving import Reply
+
+    def reply(started, ttft, elapsed, tokens, prompt_tokens, status=200, finish="stop"):
+        r = Reply()
+        r.status, r.finish_reason, r.started, r.first_token_s, r.elapsed_s = status, finish, started, ttft, elapsed
+        r.usage, r.chunks = {"completion_tokens": tokens, "prompt_tokens": prompt_tokens}, tokens // 2
+        return r
+
+    replies = [reply(100.0, 0.2, 3.0, 64, 40), reply(103.0, 2.5, 6.0, 64, 900), reply(109.0, None, 0.1, 0, 12, 500)]
+    stats = level_stats(replies, 9.1)
+    assert stats["ttft_s"]["p50"] == pytest.approx(1.35)  # the percentiles hide which request waited
+    records = stats["replies"]
+    assert [r["sent_s"] for r in records] == [0.0, 3.0, 9.0]
+    assert [r["ttft_s"] for r in records] == [0.2, 2.5, None]
+    assert [r["prompt_tokens"] for r in records] == [40, 900, 12]
+    assert [r["ok"] for r in records] == [True, True, False]
+    assert records[1]["elapsed_s"] == 6.0 and records[1]["output_tokens"] == 64 and records[1]["chunks"] == 32
+    json.dumps(stats)  # results.json takes it as it is

@@ -132,7 +132,18 @@ def level_stats(replies: list[Reply], wall_s: float) -> dict[str, Any]:
         "itl_s": percentiles([g for r in ok for g in r.chunk_gaps_s]),
         "tpot_s": percentiles(tpot),
         "tokens_per_chunk": tokens / max(sum(r.chunks for r in ok), 1),
+        "replies": reply_records(replies),
     }
+
+
+def reply_records(replies: list[Reply]) -> list[dict[str, Any]]:
+    """Each request's own timings, in the order sent (seconds; ``sent_s`` from the level's first request): the
+    percentiles alone cannot tell one slow prefill from a server that held every first token back."""
+    first = min((r.started for r in replies), default=0.0)
+    return [{"sent_s": round(r.started - first, 4), "ok": r.ok and bool(r.finish_reason),
+             "ttft_s": None if r.first_token_s is None else round(r.first_token_s, 4),
+             "elapsed_s": round(r.elapsed_s, 4), "output_tokens": r.completion_tokens, "chunks": r.chunks,
+             "prompt_tokens": (r.usage or {}).get("prompt_tokens")} for r in replies]
 
 
 class MethodRound:
