@@ -20,18 +20,11 @@ import urllib.request
 
 import psutil
 
-from vllm_treespec.tools.serving import ServerProcess
+from vllm_treespec.tools.serving import ServerProcess, cpu_seconds_by_process
 
 
 def process_group_cpu_seconds(root: psutil.Process) -> float:
-    total = 0.0
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            times = process.cpu_times()
-        except psutil.Error:  # a child that exited between the listing and the reading
-            continue
-        total += times.user + times.system
-    return total
+    return sum(seconds for _, _, seconds in cpu_seconds_by_process(root.pid).values())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -243,7 +244,8 @@ def test_bench_rejects_bad_arguments(capsys):
 def _serve_entry(label: str, rates: dict[str, float], pid: int) -> dict:
     level = lambda rate: {"requests": 4, "succeeded": 4, "output_tok_per_s": rate, "requests_per_s": rate / 100,  # noqa: E731
                           "ttft_s": {"p50": 0.1, "p99": 0.2}, "itl_s": {"p50": 0.05, "p99": 0.1},
-                          "tpot_s": {"p50": 0.05}, "tokens_per_chunk": 1.0, "marker": pid}
+                          "tpot_s": {"p50": 0.05}, "tokens_per_chunk": 1.0, "marker": pid,
+                          "replies": [{"ttft_s": pid / 10}]}
     return {"label": label, "method": label, "status": "ok", "port": 8000 + pid, "server_pid": pid,
             "levels": {c: level(r) for c, r in rates.items()}}
 
@@ -259,6 +261,8 @@ def test_bench_serve_repeats_report_the_median_round_and_ratios():
     assert none["levels"]["4"]["output_tok_per_s"] == 60.0 and none["levels"]["4"]["marker"] == 1
     assert none["levels"]["1"]["rounds_tok_per_s"] == [20.0, 10.0, 15.0]
     assert none["rounds"] == 3 and none["server_pids"] == [1, 2, 3]
+    # every round's requests, not only the median round's: a burst in one round is found there
+    assert none["levels"]["1"]["rounds_replies"] == [[{"ttft_s": 0.1}], [{"ttft_s": 0.2}], [{"ttft_s": 0.3}]]
     # an even count takes the lower median: a real round, never an average
     graft = merge_rounds([_serve_entry("graft", {"1": 30.0, "4": 57.0}, 4),
                           _serve_entry("graft", {"1": 24.0, "4": 66.0}, 5)])
@@ -1006,3 +1010,74 @@ def test_bench_serve_keeps_every_requests_own_timings_in_the_order_sent():
     assert [r["ok"] for r in records] == [True, True, False]
     assert records[1]["elapsed_s"] == 6.0 and records[1]["output_tokens"] == 64 and records[1]["chunks"] == 32
     json.dumps(stats)  # results.json takes it as it is
+
+
+def test_cpu_use_names_the_servers_processes_the_load_generator_and_the_other_servers():
+    """As `bench serve` records each level: a spinning process under the server counts by its name, one under
+    another server as "other", and the cores' busy seconds cover them."""
+    import psutil
+
+    from vllm_treespec.tools.serving import CpuUse
+
+    spin = "import time\nend = time.monotonic() + {}\nwhile time.monotonic() < end: pass\n"
+    server = subprocess.Popen([sys.executable, "-c", spin.format(1.5)])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    name = psutil.Process(server.pid).name()  # both children run this interpreter
+    try:
+        cpu = CpuUse(server.pid).start()
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:  # the load generator's own work
+            pass
+        used = cpu.stop()
+    finally:
+        for p in (server, other):
+            p.kill()
+            p.wait()
+    assert used["processes"][name] > 0.1  # the server's spinning, a share of a core even on a busy machine
+    assert used["processes"]["load generator"] > 0.1
+    assert used["processes"].get(f"other {name}", 0.0) < 0.1  # the sleeping neighbour: counted apart, idle
+    assert len(used["core_busy_s"]) == psutil.cpu_count() and sum(used["core_busy_s"]) > 0.2
+    assert used["wall_s"] == pytest.approx(0.6, abs=0.5)
+
+
+def test_client_priority_is_real_time_for_the_calling_thread_only_and_restored(monkeypatch):
+    """The load generator's event loop runs at SCHED_FIFO with reset-on-fork (no server or thread it starts
+    inherits it) and gets its old policy back; without the permission it says so and runs as it was."""
+    from vllm_treespec.tools import serving
+
+    calls = []
+    monkeypatch.setattr(serving.os, "sched_getscheduler", lambda pid: serving.os.SCHED_OTHER)
+    monkeypatch.setattr(serving.os, "sched_getparam", lambda pid: serving.os.sched_param(0))
+    monkeypatch.setattr(serving.os, "sched_setscheduler", lambda pid, policy, param: calls.append(
+        (pid, policy, param.sched_priority)))
+    with serving.client_priority() as priority:
+        assert priority == "fifo"
+        assert calls == [(0, serving.os.SCHED_FIFO | serving.os.SCHED_RESET_ON_FORK, 1)]
+    assert calls[-1] == (0, serving.os.SCHED_OTHER, 0)
+
+    def refuse(pid, policy, param):
+        raise PermissionError("Operation not permitted")
+
+    monkeypatch.setattr(serving.os, "sched_setscheduler", refuse)
+    with serving.client_priority() as priority:
+        assert priority == "normal"
+
+
+def test_client_priority_on_this_machine_leaves_the_thread_as_it_found_it():
+    import threading
+
+    from vllm_treespec.tools.serving import client_priority
+
+    before = os.sched_getscheduler(0)
+    seen = {}
+    with client_priority() as priority:
+        seen["inside"] = os.sched_getscheduler(0)
+        worker = threading.Thread(target=lambda: seen.setdefault("thread", os.sched_getscheduler(0)))
+        worker.start()
+        worker.join()
+    assert os.sched_getscheduler(0) == before
+    if priority == "fifo":  # permitted here (root): real time inside, and a thread started there is not
+        assert seen["inside"] & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+        assert seen["thread"] == os.SCHED_OTHER
+    else:
+        assert seen["inside"] == before

@@ -58,8 +58,9 @@ from vllm_treespec.tools.bench import (ALLOW_TRAINING_PROMPTS_HELP, check_held_o
                                        load_questions, load_tokenizer)
 from vllm_treespec.tools.bench import never_drafting_labels, parse_methods, round_order
 from vllm_treespec.tools.bench import unavailable_reason
-from vllm_treespec.tools.serving import Reply, RssSampler, ServerProcess, ServerStartError, client_session, percentiles
-from vllm_treespec.tools.serving import off_the_workers_cpus
+from vllm_treespec.tools.serving import (CpuUse, Reply, RssSampler, ServerProcess, ServerStartError, client_session,
+                                         percentiles)
+from vllm_treespec.tools.serving import client_priority, off_the_workers_cpus
 from vllm_treespec.tools.serving import request
 from vllm_treespec.tools.server_memory import (DEFAULT_KV_GIB, ServerMemoryError, available_memory_bytes,
                                                check_servers_fit, kv_bytes_per_token, kv_cache_gib)
@@ -146,6 +147,9 @@ def reply_records(replies: list[Reply]) -> list[dict[str, Any]]:
              "prompt_tokens": (r.usage or {}).get("prompt_tokens")} for r in replies]
 
 
+_warned_priority: list[str] = []  # the load generator's priority was said once this run
+
+
 class MethodRound:
     """One method's server for one round: :meth:`start`, then :meth:`run_level` per concurrency level, then
     :meth:`finish`, which stops it and returns its results.json entry (with the level windows' budget trace and plain
@@ -207,10 +211,18 @@ class MethodRound:
 
     def run_level(self, concurrency: int, batch: list[str]) -> None:
         opened = time.time()
-        replies, wall = asyncio.run(run_level(self.server.url, batch, concurrency, self.args.max_tokens,
-                                              self.args.temperature))
+        cpu = CpuUse(self.server.process.pid).start()
+        with client_priority() as priority:
+            replies, wall = asyncio.run(run_level(self.server.url, batch, concurrency, self.args.max_tokens,
+                                                  self.args.temperature))
+        if priority != "fifo" and not _warned_priority:
+            _warned_priority.append(priority)
+            print("bench serve: the load generator runs at normal priority (no CAP_SYS_NICE): a server's engine core "
+                  "polling beside it can starve it, and a level's figures with it; run as root for steady figures",
+                  file=sys.stderr)
         # the level's wall-clock window: its part of the traces, now and for a later analysis of results.json
-        self.entry["levels"][str(concurrency)] = {**level_stats(replies, wall), "window": [opened, time.time()]}
+        self.entry["levels"][str(concurrency)] = {**level_stats(replies, wall), "window": [opened, time.time()],
+                                                  "cpu": cpu.stop(), "client_priority": priority}
 
     def finish(self) -> dict[str, Any]:
         if self.up:
@@ -405,7 +417,9 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                                    "rounds_plain_forward": [s.get("plain_forward") for s in per_round],
                                    "rounds_vs_own_plain": [own_plain_ratio(s) for s in per_round],
                                    "rounds_window": [s.get("window") for s in per_round],
-                                   "rounds_step_timers": [s.get("step_timers") for s in per_round]}
+                                   "rounds_step_timers": [s.get("step_timers") for s in per_round],
+                                   "rounds_replies": [s.get("replies") for s in per_round],
+                                   "rounds_cpu": [s.get("cpu") for s in per_round]}
     return merged
 
 

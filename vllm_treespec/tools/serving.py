@@ -159,6 +159,77 @@ class ServerProcess:
         return found
 
 
+def cpu_seconds_by_process(root_pid: int) -> dict[int, tuple[int, str, float]]:
+    """CPU seconds (user + system) that ``root_pid`` and each of its descendants has run, ``pid -> (parent pid, name,
+    seconds)`` (vLLM names its processes: ``VLLM::EngineCore``, ``VLLM::Worker``)."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return {}
+    found: dict[int, tuple[int, str, float]] = {}
+    for p in procs:
+        try:
+            times = p.cpu_times()
+            found[p.pid] = (p.ppid(), p.name(), times.user + times.system)
+        except psutil.Error:  # exited between the listing and the reading
+            pass
+    return found
+
+
+class CpuUse:
+    """Where the machine's CPU time went between :meth:`start` and :meth:`stop`: each core's busy seconds, and the
+    seconds of this load generator (``load generator``), of each process of the server under test (by name: its API
+    server, ``VLLM::EngineCore``, ``VLLM::Worker``) and of every other process this load generator started (another
+    server of an interleaved run: ``other NAME``). A server whose replies reached the client in bursts while its
+    engine stepped on (the first of them finished at the engine 3 s before the client heard) is explained, or not,
+    by what else ran on the CPUs."""
+
+    def __init__(self, server_pid: int, generator_pid: int | None = None) -> None:
+        self.server_pid = server_pid
+        self.generator_pid = os.getpid() if generator_pid is None else generator_pid
+        self._cores: list | None = None
+        self._procs: dict[int, tuple[int, str, float]] = {}
+        self._started = 0.0
+
+    def start(self) -> CpuUse:
+        import psutil
+
+        self._started = time.perf_counter()
+        self._cores = psutil.cpu_times(percpu=True)
+        self._procs = cpu_seconds_by_process(self.generator_pid)
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        """``wall_s``; ``core_busy_s``: per core, its seconds not idle; ``processes``: seconds by role and name
+        (processes of one name summed; one that started during the window counts from zero)."""
+        import psutil
+
+        wall = time.perf_counter() - self._started
+        cores = psutil.cpu_times(percpu=True)
+        procs = cpu_seconds_by_process(self.generator_pid)
+        busy = []
+        for before, after in zip(self._cores or [], cores):
+            idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
+            busy.append(round(max(sum(after) - sum(before) - idle, 0.0), 3))
+        by_role: dict[str, float] = {}
+        for pid, (_, name, seconds) in procs.items():
+            spent = max(seconds - self._procs.get(pid, (0, name, 0.0))[2], 0.0)
+            role = "load generator" if pid == self.generator_pid else (
+                name if self._under_server(pid, procs) else f"other {name}")
+            by_role[role] = round(by_role.get(role, 0.0) + spent, 3)
+        return {"wall_s": round(wall, 3), "core_busy_s": busy, "processes": by_role}
+
+    def _under_server(self, pid: int, procs: dict[int, tuple[int, str, float]]) -> bool:
+        while pid in procs and pid != self.generator_pid:
+            if pid == self.server_pid:
+                return True
+            pid = procs[pid][0]
+        return False
+
+
 #: name prefixes of a CPU worker's helper threads, which inherit its binding: torch.distributed's gloo loops (13 per
 #: worker in vLLM 0.32, each waking every 10 ms) and ZeroMQ's I/O threads
 WORKER_HELPER_THREADS = ("gloo", "ZMQbg")
@@ -211,6 +282,33 @@ def off_the_workers_cpus(root_pid: int) -> Iterator[set[int]]:
         yield free
     finally:
         pin_threads(os.getpid(), mine)
+
+
+@contextlib.contextmanager
+def client_priority() -> Iterator[str]:
+    """The calling thread (a load generator's event loop) at real-time priority while open: ``SCHED_FIFO`` 1, with
+    ``SCHED_RESET_ON_FORK`` so that no thread or process it starts inherits it; yields ``"fifo"``, or ``"normal"``
+    where the system does not allow it (no ``CAP_SYS_NICE``), and restores the thread's policy on exit.
+
+    Why: a CPU engine core waits for its worker's forward in a ``sched_yield`` loop (vLLM's message queue polls for
+    a second after each read, so throughout a load level), and it shares the CPUs vLLM reserves with the API server
+    and, under :func:`off_the_workers_cpus`, with this load generator. There the generator, preempted inside a
+    ``send()``, went without a CPU for up to 26 s while the engine core took 92% of the reserved core: the engine
+    then got each request only when the one before it had finished, and the replies reached the client in one burst
+    (a level ran 45 tok/s in one round and 152 in the next; graft and no speculation alike). The generator needs
+    about 2% of a core; at real-time priority it is never starved, and it cannot starve the servers (it sleeps in
+    ``epoll``, and the kernel keeps 5% of each second for other tasks)."""
+    policy = getattr(os, "SCHED_FIFO", None)
+    try:
+        previous = os.sched_getscheduler(0), os.sched_getparam(0)
+        os.sched_setscheduler(0, policy | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except (AttributeError, TypeError, OSError):  # not Linux, or not permitted
+        yield "normal"
+        return
+    try:
+        yield "fifo"
+    finally:
+        os.sched_setscheduler(0, previous[0] & ~os.SCHED_RESET_ON_FORK, previous[1])
 
 
 def pin_threads(pid: int, cpus: Iterable[int], named: tuple[str, ...] | None = None) -> None:
