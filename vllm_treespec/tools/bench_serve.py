@@ -33,6 +33,11 @@ the long-context steps plain, and the servers' medians then compared different s
 requests read 3-11 ms slower than no speculation's while a graft engine that never drafts ran at its speed).
 ``equal_speed_by`` says which was used: ``context``, or ``median`` for forwards files without contexts; a level
 whose servers' plain forwards ran at contexts too far apart has no figure at equal speed.
+
+The load generator drives every level at real-time priority (:func:`~vllm_treespec.tools.serving.client_priority`):
+on the CPUs vLLM reserves it shares a core with the engine core, which polls for its worker's reply, and at normal
+priority it was starved for seconds at a time. Each level records every request's timings (``replies``), the CPU
+seconds of each process and each core's busy time over the level (``cpu``), and the priority it ran at.
 """
 
 from __future__ import annotations
