@@ -145,13 +145,8 @@ class ServerProcess:
 
         if not self.alive():
             return {}
-        try:
-            root = psutil.Process(self.process.pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return {}
         found = {}
-        for p in procs:
+        for p in process_tree(self.process.pid):
             try:
                 found[p.pid] = (p.name(), p.memory_info().rss)
             except psutil.NoSuchProcess:
@@ -159,18 +154,24 @@ class ServerProcess:
         return found
 
 
+def process_tree(root_pid: int) -> list:
+    """``root_pid`` and each of its descendants as ``psutil.Process`` (empty once it has exited)."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 def cpu_seconds_by_process(root_pid: int) -> dict[int, tuple[int, str, float]]:
     """CPU seconds (user + system) that ``root_pid`` and each of its descendants has run, ``pid -> (parent pid, name,
     seconds)`` (vLLM names its processes: ``VLLM::EngineCore``, ``VLLM::Worker``)."""
     import psutil
 
-    try:
-        root = psutil.Process(root_pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.Error:
-        return {}
     found: dict[int, tuple[int, str, float]] = {}
-    for p in procs:
+    for p in process_tree(root_pid):
         try:
             times = p.cpu_times()
             found[p.pid] = (p.ppid(), p.name(), times.user + times.system)
