@@ -180,6 +180,13 @@ def cpu_seconds_by_process(root_pid: int) -> dict[int, tuple[int, str, float]]:
     return found
 
 
+def _busy_seconds(times: Any) -> float:
+    """A core's seconds not idle from ``psutil.cpu_times`` fields: Linux counts a guest's time in ``user`` and
+    ``nice`` as well as in ``guest`` and ``guest_nice``, so those are not added twice (as ``psutil.cpu_percent``)."""
+    fields = times._asdict()
+    return sum(fields.values()) - sum(fields.get(name, 0.0) for name in ("idle", "iowait", "guest", "guest_nice"))
+
+
 class CpuUse:
     """Where the machine's CPU time went between :meth:`start` and :meth:`stop`: each core's busy seconds, and the
     seconds of this load generator (``load generator``), of each process of the server under test (by name: its API
@@ -211,10 +218,8 @@ class CpuUse:
         wall = time.perf_counter() - self._started
         cores = psutil.cpu_times(percpu=True)
         procs = cpu_seconds_by_process(self.generator_pid)
-        busy = []
-        for before, after in zip(self._cores or [], cores):
-            idle = (after.idle + getattr(after, "iowait", 0.0)) - (before.idle + getattr(before, "iowait", 0.0))
-            busy.append(round(max(sum(after) - sum(before) - idle, 0.0), 3))
+        busy = [round(max(_busy_seconds(after) - _busy_seconds(before), 0.0), 3)
+                for before, after in zip(self._cores or [], cores)]
         by_role: dict[str, float] = {}
         for pid, (_, name, seconds) in procs.items():
             spent = max(seconds - self._procs.get(pid, (0, name, 0.0))[2], 0.0)
