@@ -232,6 +232,12 @@ class ProposeContext:
         plus one (None as for ``useful_depth``): a drafter whose cost grows with its tree's width (an EAGLE head
         expands up to ``min(top_k, budget)`` nodes a request at each level) grows no more than that
         (:attr:`useful_max_nodes`). An allocation that admits more raises it; a probe drafts in full.
+    shared_draft_seconds: set by the step budget before it asks for trees: what drafting for these requests is
+        predicted to cost besides a drafter the proposer gates itself (the proposer's measured call less
+        ``self_gated_seconds``, and the verifier's host work of pricing and handing over the trees). A proposer's own
+        gate adds it to that drafter's price and to its rival's: both are weighed against plain decoding at the
+        whole drafting step's price (without it graft's head drafted at 5-8 bf16 requests on steps that yielded
+        214-227 tok/s beside 257-267 for plain ones). 0 without a step budget.
     deferred_seconds: set by a proposer whose drafter caught up on this call with work the steps that did not draft
         left it (an EAGLE head writing their rows' K/V): seconds neither gate charges to this call's measured cost,
         since drafting for those requests at any later step would pay them too; the gates price them before the call
@@ -256,6 +262,7 @@ class ProposeContext:
     row_excess: np.ndarray | None = None
     draft_rows: np.ndarray | None = None
     self_gated_seconds: float = 0.0
+    shared_draft_seconds: float = 0.0
     deferred_seconds: float = 0.0
     useful_depth: int | None = None
     useful_nodes: int | None = None

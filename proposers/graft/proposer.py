@@ -142,7 +142,8 @@ class GraftProposer(TreeProposer):
 
     def head_drafts(self, ctx: ProposeContext, budget: int, rows: list[int]) -> bool:
         """Whether the model drafter drafts this step: under a step budget when DraftGate expects its trees' gain to
-        beat its measured cost (its call, and its catch-up on the rows of the steps it did not draft), both against
+        beat its measured cost (its call, and its catch-up on the rows of the steps it did not draft) with the rest of
+        the drafting step (``ctx.shared_draft_seconds``, also charged to the retrieval-only rival), both against
         plain decoding and against the retrieval-only trees graft drafts without it (a head that adds little to a
         confident match only costs), and on every probe of the verifier's gate whose allowance covers that catch-up
         and its call (``model_draft_max_batch``, if given, still caps the batch); else up to
@@ -179,10 +180,14 @@ class GraftProposer(TreeProposer):
         # the head's trees must beat the retrieval-only ones too (unknown until a head step has priced them). A
         # step they lose is a skipped step of the head's gate: its probes keep what the head's trees are worth
         # current, where a veto after the gate would leave them as the first steps had priced them, for good
+        # Both are priced with the rest of the drafting step (graft's call without the head, the verifier's tree
+        # work), which either pays and plain decoding does not: weighed without it, the head drafted at 5-8 bf16
+        # requests on steps that yielded 214-227 tok/s beside 257-267 for plain steps
+        shared = ctx.shared_draft_seconds
         retrieval_best = None if self.retrieval_gate.gains is None else \
-            self.retrieval_gate.expected_best(num_drafting, budget, row_excess=excess)[0]
+            self.retrieval_gate.expected_best(num_drafting, budget, row_excess=excess, drafter_seconds=shared)[0]
         return self.head_gate.should_draft(num_drafting, budget, row_excess=excess, extra_seconds=backlog,
-                                           rival_rate=retrieval_best)
+                                           rival_rate=retrieval_best, shared_seconds=shared)
 
     def unmatched_head_drafts(self, ctx: ProposeContext, budget: int, unmatched: list[int]) -> bool:
         """Whether the head drafts, on a step its own gate kept it out, for the ``unmatched`` rows (requests no

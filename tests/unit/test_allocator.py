@@ -504,6 +504,40 @@ def test_what_drafting_saved_is_learnt_per_load():
     assert gate.surplus_by_load == {8: saved_at_8}
 
 
+def test_shared_seconds_price_the_whole_drafting_step_but_neither_a_probe_nor_a_free_call():
+    """``shared_seconds`` (what a drafting step costs besides this drafter: graft's call without its head, the tree
+    work) is part of drafting's step against plain decoding; but a probe's price and the share that makes a drafter
+    free are the drafter's own call, which is all that drafting with it adds to a step that drafts anyway."""
+
+    class Drafter:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def predict(self, x):
+            return self.seconds
+
+    gate = DraftGate(MIDDLE, Drafter(0.003))  # 5% of MIDDLE's plain step: not free
+    gate.record([star([0.9, 0.9])])  # 2.8 tokens in ~75 ms against a 60 ms token
+    assert gate.should_draft(1)
+    with_rest = gate.last_rates[0]
+    assert not gate.should_draft(1, shared_seconds=0.15)  # ...not with 150 ms more of the step
+    assert gate.last_rates[0] < gate.last_rates[1] < with_rest
+    free = DraftGate(MIDDLE, Drafter(0.001))  # under 2% of the plain step: drafts whatever the rest costs
+    free.record([star([0.9, 0.9])])
+    assert free.should_draft(1, shared_seconds=0.15) and free.last_rates[0] < free.last_rates[1]
+
+    def first_probe(shared_seconds):
+        probing = DraftGate(MIDDLE, Drafter(0.003), probe_every=4)
+        probing.record([star([0.05])])  # worth nothing: every step skips until a probe
+        for step in range(200):
+            if probing.should_draft(1, shared_seconds=shared_seconds):
+                assert probing.probing
+                return step
+        return None
+
+    assert first_probe(0.0) == first_probe(0.15)
+
+
 def test_a_catch_up_is_priced_with_the_call_and_paid_out_of_a_probes_allowance():
     """``extra_seconds`` (a head's catch-up on the rows that steps without drafts left it) is part of drafting's
     price: trees that pay for the call alone do not pay for the call and a long catch-up. A probe pays it, per

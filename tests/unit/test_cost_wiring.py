@@ -443,6 +443,20 @@ def test_a_drafter_the_proposer_gates_itself_is_not_charged_to_the_verifiers_gat
     assert unpriced == pytest.approx(0.020)  # still the drafter's time, not host time (the budget's host median)
 
 
+def test_the_proposer_is_told_the_price_of_drafting_besides_a_drafter_it_gates_itself():
+    """Before asking for trees the verifier hands the proposer what the gate charges a drafting step beyond its
+    forward (``ctx.shared_draft_seconds``: the drafter's measured call and the tree work), so that graft's head gate
+    weighs its head against plain decoding at the whole drafting step's price."""
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    verifier.propose([[9], [3], [6]])
+    assert verifier.proposer.contexts[-1].shared_draft_seconds == 0.0  # nothing timed yet
+    verifier.budget.drafter_cost.predict = lambda num_reqs: 0.001 * num_reqs  # a call of 1 ms a request
+    verifier.budget.tree_work.samples.extend([0.002, 0.002])
+    verifier.budget.tree_work._median = None
+    verifier.propose([[9], [3], [6]])
+    assert verifier.proposer.contexts[-1].shared_draft_seconds == pytest.approx(0.003 + 0.002)  # 3 drafting
+
+
 def test_the_verifier_prices_each_requests_rows_by_its_sequence_length():
     """Every row attends to its request's whole sequence: with a context term, the verifier hands the budget each
     request's length, so the same tree keeps fewer nodes on a longer request, and each forward is observed with

@@ -802,6 +802,36 @@ def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
     assert drafter.ingested == 4 and p.stats.retrieval_only_steps == 1
 
 
+def test_the_heads_gate_prices_the_rest_of_the_drafting_step_too():
+    """The verifier's gate charges graft's call without the head (``self_gated_seconds``); the head's gate weighs
+    its head with the rest of the drafting step (``ctx.shared_draft_seconds``) against plain decoding: a head whose
+    trees pay for its own call but not for the whole step's price sits out."""
+
+    class CountingDrafter(ScriptedDrafter):
+        ingested = 0
+
+        def ingest(self, ctx):
+            self.ingested += 1
+
+    drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
+    p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
+    p.head_cost.min_calls = 1
+
+    def step(shared):
+        ctx = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
+        ctx.step_cost, ctx.shared_draft_seconds = Linear(0.05, 0.01), shared
+        before = drafter.ingested
+        p.propose_trees(ctx)
+        return drafter.ingested > before
+
+    assert step(0.0) and step(0.0)  # no history, then not timed: it drafts, and is timed
+    p.head_cost.buckets = {1: 0.005}  # 5 ms a call for ~0.9 tokens a request at 10 ms a token: it pays...
+    assert step(0.0)
+    assert not step(0.200)  # ...but not with 200 ms more of graft's call and tree work
+    best, plain = p.head_gate.last_rates
+    assert best < plain  # lost to plain decoding, with the rest priced
+
+
 def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_cost():
     """The head's gate weighs its trees, with its measured cost, against the retrieval-only trees graft drafts
     without it, not only against plain decoding: a head that adds little to a confident retrieval match sits out."""

@@ -534,13 +534,17 @@ class DraftGate:
 
     def should_draft(self, num_reqs: int, max_nodes: int | None = None, base_tokens: int | None = None,
                      row_excess: float | None = None, extra_seconds: float = 0.0,
-                     rival_rate: float | None = None) -> bool:
+                     rival_rate: float | None = None, shared_seconds: float = 0.0) -> bool:
         """``row_excess``: the context term of one of the requests' rows, on average (None: at the curve's
         context). ``extra_seconds``: what drafting for these requests now costs beyond the drafter's measured call
         (a head's catch-up on the rows that steps without drafts left it): part of the price, and a probe pays it,
         per probed request, out of its allowance. ``rival_rate``: the expected rate of what runs instead of this
         drafter (graft's retrieval-only trees instead of its head), which it must beat as it must beat plain
-        decoding's; a step it loses to either is skipped, so its probes still refresh what its trees are worth."""
+        decoding's; a step it loses to either is skipped, so its probes still refresh what its trees are worth.
+        ``shared_seconds``: what a drafting step costs besides this drafter, paid by its rival too (the rest of graft's
+        call and the tree work, when its head's gate decides): added to drafting's step when it is weighed against
+        plain decoding (``rival_rate`` must include it likewise), but neither to the call a free or saving drafter
+        is judged by nor to a probe's price, which the step pays whether this drafter drafts or not."""
         self.probing = False
         self.probe_seconds = self.probe_requests = None
         self.last_rates = None
@@ -551,7 +555,7 @@ class DraftGate:
             return self._probe(None)
         measured = self._measured_call(num_reqs)
         drafter = (measured or 0.0) + extra_seconds  # a drafter not timed yet counts as free: it drafts, is timed
-        best, plain = self._rates(num_reqs, max_nodes, base_tokens, drafter, row_excess)
+        best, plain = self._rates(num_reqs, max_nodes, base_tokens, drafter + shared_seconds, row_excess)
         self.last_rates = (best, plain)
         after_probe, self._after_probe = self._after_probe, False
         cheap = measured is not None and plain > 0 and drafter <= self.free_share * num_reqs / plain

@@ -194,6 +194,11 @@ class StepBudget:
         if self.trace is not None:
             self.trace.plan(drafter_ms=seconds * 1e3)
 
+    def draft_price(self, num_reqs: int) -> float:
+        """Seconds the gate charges a drafting step of ``num_reqs`` requests beyond its forward: the drafter's
+        measured call (0 before it is timed) and the tree work of pricing and handing over its trees."""
+        return (self.drafter_cost.predict(num_reqs) or 0.0) + self.tree_work.seconds
+
     def glanced(self, trees: int, seconds: float) -> None:
         """A skipped step's glance (:meth:`TreeProposer.glance`) offered ``trees`` trees in ``seconds``. Not host
         time: once every skipped step glances, it is spent whether its trees are verified or not, so it belongs to

@@ -249,6 +249,8 @@ class TreeVerifier:
         if ctx.probing and budget.gate.probe_requests is not None and budget.gate.probe_requests < drafting:
             ctx.draft_rows = self._probe_rows(rows, budget.gate.probe_requests, ctx.num_reqs)
             drafting = budget.gate.probe_requests
+        if budget is not None:
+            ctx.shared_draft_seconds = budget.draft_price(drafting)
         trees = self.proposer.propose_trees(ctx)
         self._check_tree_count(trees, ctx, "propose_trees")
         return trees, drafting, False  # propose() times the call with the work on its trees that follows
