@@ -196,3 +196,29 @@ def test_summaries_weigh_decode_steps_against_the_servers_own_plain_steps():
     drafting_never_paid = [{**line, "accepted": 0} for line in lines]
     assert trace.summarize(drafting_never_paid)["own_plain"]["ratio"] == pytest.approx(
         5 * plain_step / (50 + 70 + 50 + 70 + 60))
+
+
+def test_drafting_steps_are_weighed_against_the_gates_plain_rate_by_kind():
+    """Each step that verified drafts is charged its own time (its call, forward and host time; a glance like a
+    call) and weighed against the plain rate the gate priced it against: a self-gated drafter's steps (graft's head,
+    ``head_ms``) apart from the others, the verifier's price of them beside, outside the request range left out."""
+    lines = [{"t": 0.000, "reqs": 4, "tokens": 4, "drafts": 0},  # 50 ms less the next step's call: 42
+             {"t": 0.050, "reqs": 4, "tokens": 8, "drafts": 4, "accepted": 2, "drafter_ms": 3.0, "head_ms": 5.0,
+              "expected": 6.0, "best": 100.0, "plain": 100.0},  # 8 + 69 ms for 6 tokens; plain: 7.7 in 77 ms
+             {"t": 0.120, "reqs": 4, "tokens": 4, "drafts": 0, "glance_ms": 1.0},  # 1 + 28 ms
+             {"t": 0.150, "reqs": 4, "tokens": 6, "drafts": 2, "accepted": 2, "drafter_ms": 2.0, "expected": 6.0,
+              "best": 150.0, "plain": 120.0},  # 2 + 38 ms for 6 tokens; plain: 4.8 in 40 ms
+             {"t": 0.190, "reqs": 2, "tokens": 4, "drafts": 2, "accepted": 0, "drafter_ms": 2.0, "expected": 3.0,
+              "best": 100.0, "plain": 100.0},  # 62 ms, 2 requests: out of a 3- range
+             {"t": 0.250, "reqs": 2, "tokens": 2, "drafts": 0}]
+    assert [ms for *_, ms, _ in trace.decode_step_times(lines)] == pytest.approx([42, 77, 29, 40, 62])
+    kinds = trace.drafting_against_gate(lines, 3)
+    assert kinds == {"rest": {"steps": 1, "ms": pytest.approx(40.0), "priced_ms": pytest.approx(40.0),
+                              "vs_plain": pytest.approx(6 / 4.8)},
+                     "self-gated": {"steps": 1, "ms": pytest.approx(77.0), "priced_ms": pytest.approx(60.0),
+                                    "vs_plain": pytest.approx(6 / 7.7)}}
+    assert trace.drafting_against_gate(lines)["rest"]["steps"] == 2
+    # pooled: tokens committed over those the plain rate commits in the same time
+    assert trace.drafting_against_gate(lines)["rest"]["vs_plain"] == pytest.approx((6 + 2) / (4.8 + 6.2))
+    assert trace.drafting_against_gate(lines, 3, 3) == {}
+    assert trace.summarize(lines)["drafting_against_gate"] == trace.drafting_against_gate(lines)

@@ -189,6 +189,7 @@ def summarize(lines: list[dict[str, Any]], start: float | None = None, end: floa
         "prediction_error": prediction_error(steps),
         "unpriced_before_drafts_ms": unpriced_before_drafts(steps),
         "own_plain": against_own_plain_steps(steps),
+        "drafting_against_gate": drafting_against_gate(steps),
         "expected_vs_realized": expected_vs_realized(steps),
     }
 
@@ -235,19 +236,48 @@ def _drafts(step: dict[str, Any]) -> int:
     return int(step.get("drafts", step.get("admitted", 0)))
 
 
-def decode_step_times(steps: list[dict[str, Any]]) -> list[tuple[int, int, int, float, float]]:
-    """Per decode step (as many tokens as requests and drafts; none before an idle gap): (requests, accepted drafts,
-    drafts, milliseconds of the step, of which its proposer's call). A step's time runs from its start to the next
-    step's, less the next step's call (made before that step's forward), plus its own."""
-    timed = []
+def _own_times(steps: list[dict[str, Any]]) -> Iterable[tuple[dict[str, Any], float]]:
+    """Per decode step (as many tokens as requests and drafts; none before an idle gap): (its line, milliseconds of
+    the step). A step's time runs from its start to the next step's, less the next step's call (made before that
+    step's forward), plus its own."""
     for step, after in zip(steps, steps[1:]):
         gap = after["t"] - step["t"]
         reqs, drafts = step.get("reqs", 0), _drafts(step)
         if reqs <= 0 or gap > IDLE_GAP_SECONDS or step.get("tokens") != reqs + drafts:
             continue
-        ms = gap * 1e3 - _drafter_ms(after) + _drafter_ms(step)
-        timed.append((reqs, step.get("accepted", 0) if drafts else 0, drafts, ms, _drafter_ms(step)))
-    return timed
+        yield step, gap * 1e3 - _drafter_ms(after) - after.get("glance_ms", 0.0) + _drafter_ms(step) + \
+            step.get("glance_ms", 0.0)
+
+
+def decode_step_times(steps: list[dict[str, Any]]) -> list[tuple[int, int, int, float, float]]:
+    """Per decode step (:func:`_own_times`): (requests, accepted drafts, drafts, milliseconds of the step, of which
+    its proposer's call)."""
+    return [(step["reqs"], step.get("accepted", 0) if _drafts(step) else 0, _drafts(step), ms, _drafter_ms(step))
+            for step, ms in _own_times(steps)]
+
+
+def drafting_against_gate(steps: list[dict[str, Any]], min_reqs: int = 1,
+                          max_reqs: int | None = None) -> dict[str, dict[str, float]]:
+    """Whether the steps that verified drafts paid at the gate's own prices, split by whether a drafter the proposer
+    gates itself ran (``"self-gated"``: graft's head, ``head_ms``) or not (``"rest"``), over steps of ``min_reqs`` to
+    ``max_reqs`` requests. Per kind: ``steps``; ``ms``, their mean own time (:func:`_own_times`); ``priced_ms``, the
+    verifier's gate's price of them (``expected / best``, which leaves a self-gated drafter out); and ``vs_plain``,
+    the tokens they committed over what the gate's plain rate for each (``plain``) commits in its time — below 1,
+    drafting lost against the plain step the gate weighed it against (a plain rate the step-cost model predicts
+    within a few percent: :func:`prediction_error`)."""
+    kinds: dict[str, list[tuple[float, float, float]]] = {}
+    for step, ms in _own_times(steps):
+        reqs = step["reqs"]
+        if not _drafts(step) or not step.get("plain") or not step.get("best") or reqs < min_reqs \
+                or (max_reqs is not None and reqs > max_reqs):
+            continue
+        committed = reqs + step.get("accepted", 0)
+        kinds.setdefault("self-gated" if step.get("head_ms") else "rest", []).append(
+            (ms, step["expected"] / step["best"] * 1e3, committed, step["plain"] * ms / 1e3))
+    return {kind: {"steps": len(rows), "ms": statistics.fmean(r[0] for r in rows),
+                   "priced_ms": statistics.fmean(r[1] for r in rows),
+                   "vs_plain": sum(r[2] for r in rows) / sum(r[3] for r in rows)}
+            for kind, rows in sorted(kinds.items())}
 
 
 def against_own_plain_steps(steps: list[dict[str, Any]]) -> dict[str, float] | None:
