@@ -317,6 +317,15 @@ class ScriptedDrafter(ModelDrafter):
         return {i: DraftTree(np.array(t), np.array(p), np.array(q)) for i, (t, p, q, _) in nodes.items() if t}
 
 
+class IngestCountingDrafter(ScriptedDrafter):
+    """A scripted head that counts its ingests: one per step it drafted on."""
+
+    ingested = 0
+
+    def ingest(self, ctx):
+        self.ingested += 1
+
+
 def test_model_drafter_is_pruned_at_checkpoints_and_grafted():
     drafter = ScriptedDrafter({0: [0.9, 0.9, 0.9, 0.9], 1: [0.9, 0.1, 0.9, 0.9]})
     p = GraftProposer(None, GraftOptions(budget=10, checkpoints=(1, 2), thresholds=(0.5, 0.5), adaptive_budget=False,
@@ -358,15 +367,9 @@ def test_zero_budget_skips_the_model_drafter_entirely():
 def test_model_drafter_sits_out_batches_above_its_limit():
     """On CPU the head drafts for one request at a time by default; a larger batch gets retrieval-only trees and the
     head skips its rows. GPUs, an explicit limit, or adaptive_budget off let it draft for any batch."""
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
     def graft(device="cpu", **options):
         config = SimpleNamespace(device_config=SimpleNamespace(device_type=device))
-        drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
+        drafter = IngestCountingDrafter({i: [0.9, 0.9] for i in range(2)})
         opts = GraftOptions(budget=8, sources=("suffix",), min_node_confidence=0.0, **options)
         p = GraftProposer(config, opts, drafter=drafter, vocab_size=VOCAB)
         p.budget_curve = BudgetCurve(8, table={1: 8})  # budget 8 at any batch: only the drafter limit differs
@@ -771,13 +774,7 @@ def test_the_heads_catch_up_is_priced_before_it_drafts_and_a_probe_drafts_with_i
 
 
 def test_the_head_drafts_only_while_its_gain_beats_its_measured_cost():
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
-    drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
+    drafter = IngestCountingDrafter({i: [0.9, 0.9] for i in range(2)})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
     p.head_cost.min_calls = 1  # priced from its first counted call (MIN_TIMED_CALLS: the test of CallCost)
     pair = make_ctx([[1, 2, 3, 1, 2], [7, 8, 9, 7, 8]])
@@ -807,13 +804,7 @@ def test_the_heads_gate_prices_the_rest_of_the_drafting_step_too():
     its head with the rest of the drafting step (``ctx.shared_draft_seconds``) against plain decoding: a head whose
     trees pay for its own call but not for the whole step's price sits out."""
 
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
-    drafter = CountingDrafter({i: [0.9, 0.9] for i in range(2)})
+    drafter = IngestCountingDrafter({i: [0.9, 0.9] for i in range(2)})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("suffix",)), drafter=drafter, vocab_size=VOCAB)
     p.head_cost.min_calls = 1
 
@@ -836,14 +827,8 @@ def test_the_head_sits_out_while_retrieval_only_trees_beat_its_trees_with_its_co
     """The head's gate weighs its trees, with its measured cost, against the retrieval-only trees graft drafts
     without it, not only against plain decoding: a head that adds little to a confident retrieval match sits out."""
 
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
     def graft_with(head_probs, successor_prob):
-        drafter = CountingDrafter({0: head_probs})
+        drafter = IngestCountingDrafter({0: head_probs})
         p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
                           vocab_size=VOCAB)
         p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), successor_prob))
@@ -890,13 +875,7 @@ def test_a_head_that_retrieval_only_trees_beat_still_probes_its_worth():
     current; a veto after the gate left it priced as its first steps had, so a head sitting out one request never
     drafted again."""
 
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
-    drafter = CountingDrafter({0: [0.3, 0.3]})
+    drafter = IngestCountingDrafter({0: [0.3, 0.3]})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
                       vocab_size=VOCAB)
     p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.95))
@@ -956,13 +935,7 @@ def test_the_retrieval_only_trees_are_priced_on_the_heads_own_steps_only():
     which prices whatever graft proposes, would learn from such steps that graft's trees are worth less than they
     are)."""
 
-    class CountingDrafter(ScriptedDrafter):
-        ingested = 0
-
-        def ingest(self, ctx):
-            self.ingested += 1
-
-    drafter = CountingDrafter({0: [0.99] * 4})
+    drafter = IngestCountingDrafter({0: [0.99] * 4})
     p = GraftProposer(None, GraftOptions(budget=8, sources=("successor",), prune=False), drafter=drafter,
                       vocab_size=VOCAB)
     p.learn_successors(np.arange(1, 20), (np.arange(1, 20) + 1)[:, None], np.full((19, 1), 0.3))
