@@ -44,13 +44,15 @@ def describe(kinds: dict[str, dict[str, float]]) -> str:
 def served_lines(out: Path, results: dict, low: int, high: int | None) -> list[str]:
     lines = []
     for method in results.get("methods", []):
+        rounds: dict[int, list[dict]] = {}  # each round's trace, read once for all its levels
         for level, stats in sorted(method.get("levels", {}).items(), key=lambda item: int(item[0])):
             windows = stats.get("rounds_window") or []
             for number, window in zip(method.get("round_numbers", range(1, len(windows) + 1)), windows):
-                paths = trace.files(out / f"budget-{method['label']}-r{number}.jsonl")
-                if not paths or not window:
+                if number not in rounds:
+                    rounds[number] = trace.read(trace.files(out / f"budget-{method['label']}-r{number}.jsonl"))
+                if not rounds[number] or not window:
                     continue
-                steps = [s for s in trace.read(paths) if window[0] <= s.get("t", 0.0) <= window[1]]
+                steps = [s for s in rounds[number] if window[0] <= s.get("t", 0.0) <= window[1]]
                 kinds = trace.drafting_against_gate(steps, low, high)
                 lines.append(f"{method['label']} at {level} requests, round {number}: {describe(kinds)}")
     return lines
