@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="tokenise corpus files and write a suffix-automaton datastore")
     build.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer name or local path")
-    build.add_argument("files", nargs="+", help="corpus files: plain text, .jsonl, or .json (ShareGPT-style arrays)")
+    build.add_argument("files", nargs="+", help="corpus files: plain text, .jsonl, or .json (ShareGPT-style arrays); "
+                       "lists of token ids under 'output_ids' or 'token_ids' are indexed as they are")
     build.add_argument("-o", "--output", required=True, help="datastore file to write")
     build.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     build.add_argument("--batch-size", type=int, default=64, help="documents per tokenizer call")

@@ -216,12 +216,18 @@ def build_from_token_documents(documents: Iterable[np.ndarray], out_path: str | 
 #: MT-Bench ``turns``, HumanEval ``prompt``/``canonical_solution``, and common instruction-data fields.
 TEXT_KEYS = frozenset({"text", "value", "content", "turns", "prompt", "completion", "response", "output",
                        "canonical_solution", "question", "answer", "instruction", "input"})
+#: JSON keys whose lists of integers are taken as documents already tokenised: a model's own answers as
+#: ``vllm-treespec train-eagle --stage generate`` writes them (``output_ids``), or any ``token_ids`` list
+TOKEN_ID_KEYS = frozenset({"output_ids", "token_ids"})
 _SKIP = re.compile(r"[\s,]*")
 
 
-def texts_from_json(obj: Any, key: str | None = None) -> Iterator[str]:
-    """Strings under :data:`TEXT_KEYS` anywhere in ``obj`` (a bare top-level string counts too)."""
-    if isinstance(obj, str):
+def texts_from_json(obj: Any, key: str | None = None) -> Iterator[str | np.ndarray]:
+    """Strings under :data:`TEXT_KEYS` anywhere in ``obj`` (a bare top-level string counts too), and lists of token
+    ids under :data:`TOKEN_ID_KEYS` (as int64 arrays, taken as they are)."""
+    if key in TOKEN_ID_KEYS and isinstance(obj, list) and obj and all(type(x) is int for x in obj):
+        yield np.asarray(obj, dtype=np.int64)
+    elif isinstance(obj, str):
         if (key is None or key in TEXT_KEYS) and obj:
             yield obj
     elif isinstance(obj, list):
@@ -260,9 +266,9 @@ def iter_json_values(text: str, path: str = "<json>") -> Iterator[Any]:
         yield value
 
 
-def iter_documents(path: str | os.PathLike) -> Iterator[str]:
+def iter_documents(path: str | os.PathLike) -> Iterator[str | np.ndarray]:
     """Documents of a corpus file: ``.jsonl`` (one JSON value per line), ``.json`` (an array, possibly truncated),
-    anything else as one plain-text document."""
+    anything else as one plain-text document. A document is text, or token ids (:func:`texts_from_json`)."""
     path = os.fspath(path)
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
@@ -286,21 +292,29 @@ def iter_documents(path: str | os.PathLike) -> Iterator[str]:
             yield text
 
 
-def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+def _tokenised(documents: Iterable[str | np.ndarray], tokenizer: Any, batch_size: int) -> Iterator[np.ndarray]:
+    """Token ids of each document: text through ``tokenizer``, ``batch_size`` texts a call; ids as they are."""
     batch: list[str] = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
+    for doc in documents:
+        if isinstance(doc, str):
+            batch.append(doc)
+            if len(batch) < batch_size:
+                continue
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"] if batch else ():
+            yield np.asarray(ids, dtype=np.int32)
+        batch = []
+        if not isinstance(doc, str):
+            yield doc
     if batch:
-        yield batch
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            yield np.asarray(ids, dtype=np.int32)
 
 
 def build_datastore(tokenizer_name_or_path: str, files: Iterable[str | os.PathLike], out_path: str | os.PathLike, *,
                     max_tokens: int | None = None, batch_size: int = 64, progress: bool = True,
                     tokenizer: Any = None) -> DatastoreHeader:
-    """Tokenise corpus ``files`` (text / jsonl / JSON incl. ShareGPT) and write a datastore to ``out_path``.
+    """Tokenise corpus ``files`` (text / jsonl / JSON incl. ShareGPT; token-id lists under :data:`TOKEN_ID_KEYS` as
+    they are) and write a datastore to ``out_path``.
 
     ``tokenizer`` (anything callable like a Hugging Face tokenizer, returning ``{"input_ids": [...]}`` for a list of
     strings, with ``len()`` = vocabulary size) overrides loading ``tokenizer_name_or_path`` with
@@ -319,10 +333,9 @@ def build_datastore(tokenizer_name_or_path: str, files: Iterable[str | os.PathLi
     def documents() -> Iterator[np.ndarray]:
         for f in files:
             bar.set_postfix_str(os.path.basename(f))
-            for batch in _batched(iter_documents(f), batch_size):
-                for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
-                    bar.update(1)
-                    yield np.asarray(ids, dtype=np.int32)
+            for ids in _tokenised(iter_documents(f), tokenizer, batch_size):
+                bar.update(1)
+                yield ids
 
     try:
         return build_from_token_documents(documents(), out_path, vocab_size=vocab_size,

@@ -33,6 +33,10 @@ hindsight is what those classes cannot tell apart.
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies \
         --cost ~/.cache/vllm_treespec/cost_models/X.json [--overhead-ms 3]
+    python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies --datastore corpus.tsds
+
+``--datastore F`` has graft's suffix source match a corpus datastore too, as graft's option ``"datastore"`` does
+(vLLM's ``ngram`` never sees it).
 """
 
 from __future__ import annotations
@@ -100,9 +104,14 @@ def walk(tree, future: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return accepted, reached, depths
 
 
-def replay(records: list[dict]):
+def graft_sources(names: tuple[str, ...], corpus=None) -> RetrievalSources:
+    """graft's retrieval sources as graft builds them, the suffix source over ``corpus`` too (a loaded datastore)."""
+    return RetrievalSources(GraftOptions(sources=names), FALLBACK_VOCAB_SIZE, corpus)
+
+
+def replay(records: list[dict], corpus=None):
     """Per (source, class, depth class, raw >= 0.9): [accepted, reached]; per (source, class): accepted paths."""
-    sources = RetrievalSources(GraftOptions(sources=("suffix", "ngram")), FALLBACK_VOCAB_SIZE)  # as graft builds them
+    sources = graft_sources(("suffix", "ngram"), corpus)
     nodes: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
     paths: dict[tuple, list[int]] = collections.defaultdict(list)
     for key, record in enumerate(records):
@@ -168,10 +177,10 @@ def _prefix(proposal: list[int], future: list[int]) -> int:
     return n
 
 
-def replay_policies(records: list[dict], step_seconds=None) -> dict[str, tuple[float, ...]]:
+def replay_policies(records: list[dict], step_seconds=None, corpus=None) -> dict[str, tuple[float, ...]]:
     """Per policy of :data:`POLICIES`: (tokens per step, draft nodes per step, share of steps with a proposal) and,
     with ``step_seconds`` (tokens in a one-request forward -> seconds), tokens per second of forward time."""
-    sources = RetrievalSources(GraftOptions(sources=("suffix", "ngram")), FALLBACK_VOCAB_SIZE)
+    sources = graft_sources(("suffix", "ngram"), corpus)
     totals = {label: [0, 0, 0, 0, 0.0] for label in POLICIES}  # tokens, steps, nodes, steps with a proposal, seconds
     for key, record in enumerate(records):
         prompt, output = record["prompt"], record["output"]
@@ -244,7 +253,7 @@ def _merged_proposal(sources, key: int, context: np.ndarray, prompt_len: int, so
 
 
 def in_sample_rates(records: list[dict], by_target: bool = False,
-                    keys: set[int] | None = None) -> dict[tuple[int, ...], float]:
+                    keys: set[int] | None = None, corpus=None) -> dict[tuple[int, ...], float]:
     """How often the target accepted the nodes it reached of the merged proposal at every output position, by
     source and match-length class, depth class and raw-confidence bin: rates measured on the outputs they will price
     (Laplace-smoothed), what no online calibration keyed on those classes can beat. ``by_target`` adds the class of
@@ -255,7 +264,7 @@ def in_sample_rates(records: list[dict], by_target: bool = False,
     _, source_id = _acceptance_sources(by_match_length=True)
     # one set of sources for every output, each released after it, as replay_priced runs them: finished outputs
     # join the global suffix store, so an output's proposals are the ones the budget replay prices
-    sources = RetrievalSources(GraftOptions(sources=MATCHED_SOURCES), FALLBACK_VOCAB_SIZE)
+    sources = graft_sources(MATCHED_SOURCES, corpus)
     counts: dict[tuple[int, int, int], list[int]] = collections.defaultdict(lambda: [0, 0])
     for key, record in enumerate(records):
         prompt, output = record["prompt"], record["output"]
@@ -280,7 +289,7 @@ def in_sample_rates(records: list[dict], by_target: bool = False,
 
 def replay_priced(records: list[dict], cost, by_match_length: bool = False, overhead: float = 0.0,
                   breakdown: dict | None = None, rates: dict | None = None,
-                  rates_of=None, by_target: bool = False) -> tuple[float, ...]:
+                  rates_of=None, by_target: bool = False, corpus=None) -> tuple[float, ...]:
     """graft's retrieval under the verifier's budget: at every step the suffix and n-gram trees, merged as graft
     merges them, priced by the verifier's own acceptance calibration (:class:`AcceptanceTracker`: learned online from
     what this replay verified and from the committed token after the last accepted node, with its expectation
@@ -300,7 +309,7 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
     if rates is not None:
         rates_of = lambda key: rates  # noqa: E731
     names, source_id = _acceptance_sources(by_match_length or rates_of is not None)
-    sources = RetrievalSources(GraftOptions(sources=MATCHED_SOURCES), FALLBACK_VOCAB_SIZE)
+    sources = graft_sources(MATCHED_SOURCES, corpus)
     tracker = AcceptanceTracker(names) if rates_of is None else None  # a fixed table learns nothing
 
     tokens_total = steps = nodes_total = drafting = 0
@@ -420,6 +429,9 @@ def main() -> None:
                         help="with --policies: a step-cost record (JSON) to price each step's forward by")
     parser.add_argument("--overhead-ms", type=float, default=0.0,
                         help="with --cost: host time a step with drafts costs graft's budget policies")
+    parser.add_argument("--datastore", default=None,
+                        help="a corpus datastore (`vllm-treespec datastore build`) graft's suffix source also matches, "
+                             "as graft's option 'datastore'")
     parser.add_argument("--target-confidence", action="store_true",
                         help="with --cost: also price nodes by cross-fitted class rates (fitted on the other half "
                              "of the outputs) with and without the class of the target's probability of the last "
@@ -433,32 +445,39 @@ def main() -> None:
         if args.save:
             with open(args.save, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
+    corpus = None
+    if args.datastore:
+        from vllm_treespec.retrieval import load_datastore
+
+        corpus = load_datastore(args.datastore).automaton
     if args.policies:
         print(f"{len(records)} outputs, {sum(len(r['output']) for r in records)} tokens; every proposal verified")
-        results = replay_policies(records, step_seconds_of(args.cost) if args.cost else None)
+        results = replay_policies(records, step_seconds_of(args.cost) if args.cost else None, corpus)
         if args.cost:
             cost = cost_model_of(args.cost)
             breakdowns = {}
             for label, by_length, rates in (("graft's budget", False, None),
                                             ("graft's budget, by match length", True, None),
-                                            ("the budget at in-sample class rates", True, in_sample_rates(records))):
+                                            ("the budget at in-sample class rates", True,
+                                             in_sample_rates(records, corpus=corpus))):
                 breakdowns[label] = {}
                 results[label] = replay_priced(records, cost, by_length, args.overhead_ms / 1e3, breakdowns[label],
-                                               rates)
+                                               rates, corpus=corpus)
             if args.target_confidence:
                 halves = [set(range(0, len(records), 2)), set(range(1, len(records), 2))]
                 for label, by_target in (("cross-fitted class rates", False),
                                          ("the same, and the target's confidence", True)):
-                    tables = [in_sample_rates(records, by_target, keys=half) for half in halves]
+                    tables = [in_sample_rates(records, by_target, keys=half, corpus=corpus) for half in halves]
                     breakdowns[label] = {}
                     results[label] = replay_priced(records, cost, True, args.overhead_ms / 1e3, breakdowns[label],
-                                                   rates_of=lambda key: tables[1 - key % 2], by_target=by_target)
+                                                   rates_of=lambda key: tables[1 - key % 2], by_target=by_target,
+                                                   corpus=corpus)
         print(report_policies(results))
         if args.cost:
             print(report_breakdowns(breakdowns))
         return
     print(f"{len(records)} outputs; node acceptance (reached nodes) by source, match length, depth, raw confidence")
-    print(report(*replay(records)))
+    print(report(*replay(records, corpus)))
 
 
 if __name__ == "__main__":

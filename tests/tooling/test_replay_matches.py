@@ -132,3 +132,21 @@ def test_in_sample_rates_price_a_repeated_loop_as_the_outputs_accepted_it():
     cost = _LinearCost(0.01, 0.001)
     tokens, nodes, share, rate = script.replay_priced(records, cost, rates=rates)
     assert tokens > 2.0 and rate > 1 / cost.predict(1)
+
+
+def test_a_corpus_datastore_lets_the_suffix_source_draft_what_the_request_never_held(tmp_path):
+    script = _script()
+    from vllm_treespec.retrieval import load_datastore
+    from vllm_treespec.retrieval.datastore import build_from_token_documents
+
+    answer = list(range(200, 240))  # nothing in the prompt or the output repeats: only a corpus can predict it
+    record = {"prompt": [1, 2, 3], "output": answer}
+    path = tmp_path / "corpus.tsds"
+    build_from_token_documents([np.array([7, 8, 9] + answer, np.int32)], path, vocab_size=1000, tokenizer="made-up")
+    corpus = load_datastore(path).automaton
+    alone, with_corpus = script.replay_policies([record]), script.replay_policies([record], corpus=corpus)
+    assert alone["suffix chain, <=5"][0] == 1.0  # one token a step: nothing to retrieve
+    assert with_corpus["suffix chain, <=5"][0] > 3.0  # the corpus's copy of the answer is matched and drafted
+    assert with_corpus["vLLM ngram, k=5"] == alone["vLLM ngram, k=5"]  # vLLM's matcher never sees a corpus
+    nodes, _ = script.replay([record], corpus)
+    assert sum(accepted for (source, *_), (accepted, _) in nodes.items() if source == "suffix") > 20

@@ -144,6 +144,27 @@ def test_corpus_files_text_jsonl_and_truncated_sharegpt(tmp_path):
     assert ds.automaton.tokens[: len("hello world")].tolist() == [ord(c) for c in "hello world"]
 
 
+def test_token_id_lists_are_documents_as_they_are_between_tokenised_texts(tmp_path):
+    # a model's own answers as `vllm-treespec train-eagle --stage generate` writes them: prompt and answer as ids
+    lines = [{"question_id": "a", "prompt_ids": [90, 91], "output_ids": [5, 6, 7, 5, 6, 8]},
+             {"text": "xy"}, {"question_id": "b", "prompt_ids": [92], "output_ids": [6, 7, 9]}]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    docs = list(iter_documents(tmp_path / "answers.jsonl"))
+    assert [d if isinstance(d, str) else d.tolist() for d in docs] == [[5, 6, 7, 5, 6, 8], "xy", [6, 7, 9]]
+    out = tmp_path / "answers.ds"
+    # a text waiting for its tokenizer batch is indexed before the id list after it: the file's order is kept
+    header = build_datastore("chars", [tmp_path / "answers.jsonl"], out, tokenizer=CharTokenizer(), progress=False)
+    assert header.num_documents == 3
+    sep = -1
+    assert load_datastore(out).automaton.tokens.tolist() == [5, 6, 7, 5, 6, 8, sep, ord("x"), ord("y"), sep,
+                                                             6, 7, 9, sep]
+    # ids the tokenizer does not have are refused, not indexed
+    (tmp_path / "foreign.jsonl").write_text(json.dumps({"output_ids": [3, 500]}) + "\n")
+    with pytest.raises(ValueError, match="outside"):
+        build_datastore("chars", [tmp_path / "foreign.jsonl"], tmp_path / "f.ds", tokenizer=CharTokenizer(),
+                        progress=False)
+
+
 def test_cli_build_and_info(tmp_path, capsys, monkeypatch):
     import vllm_treespec.retrieval.datastore as datastore
 
