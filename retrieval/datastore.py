@@ -198,11 +198,13 @@ def build_from_token_documents(documents: Iterable[np.ndarray], out_path: str | 
     sam = SuffixAutomaton(capacity=1 << 16)
     num_docs = 0
     for doc in documents:
-        doc = np.asarray(doc, dtype=np.int32).reshape(-1)
+        doc = np.asarray(doc).reshape(-1)
         if doc.shape[0] == 0:
             continue
-        if doc.min() < 0 or doc.max() >= vocab_size:
-            raise ValueError(f"document {num_docs} has token ids outside [0, {vocab_size})")
+        if doc.min() < 0 or doc.max() >= vocab_size:  # checked before the cast, which would wrap a huge id
+            raise ValueError(f"document {num_docs} has token ids outside [0, {vocab_size}): ids of another "
+                             "tokenizer?")
+        doc = doc.astype(np.int32, copy=False)
         if max_tokens is not None and len(sam) + doc.shape[0] + 1 > max_tokens:
             break
         sam.add_document(doc)
@@ -293,21 +295,23 @@ def iter_documents(path: str | os.PathLike) -> Iterator[str | np.ndarray]:
 
 
 def _tokenised(documents: Iterable[str | np.ndarray], tokenizer: Any, batch_size: int) -> Iterator[np.ndarray]:
-    """Token ids of each document: text through ``tokenizer``, ``batch_size`` texts a call; ids as they are."""
+    """Token ids of each document, in order: texts through ``tokenizer``, ``batch_size`` a call; ids as they are."""
     batch: list[str] = []
+
+    def flush() -> list[np.ndarray]:
+        ids = tokenizer(batch, add_special_tokens=False)["input_ids"] if batch else []
+        batch.clear()
+        return [np.asarray(i, dtype=np.int32) for i in ids]
+
     for doc in documents:
         if isinstance(doc, str):
             batch.append(doc)
-            if len(batch) < batch_size:
-                continue
-        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"] if batch else ():
-            yield np.asarray(ids, dtype=np.int32)
-        batch = []
-        if not isinstance(doc, str):
+            if len(batch) == batch_size:
+                yield from flush()
+        else:
+            yield from flush()  # the texts before an id list keep their place
             yield doc
-    if batch:
-        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
-            yield np.asarray(ids, dtype=np.int32)
+    yield from flush()
 
 
 def build_datastore(tokenizer_name_or_path: str, files: Iterable[str | os.PathLike], out_path: str | os.PathLike, *,

@@ -159,10 +159,11 @@ def test_token_id_lists_are_documents_as_they_are_between_tokenised_texts(tmp_pa
     assert load_datastore(out).automaton.tokens.tolist() == [5, 6, 7, 5, 6, 8, sep, ord("x"), ord("y"), sep,
                                                              6, 7, 9, sep]
     # ids the tokenizer does not have are refused, not indexed
-    (tmp_path / "foreign.jsonl").write_text(json.dumps({"output_ids": [3, 500]}) + "\n")
-    with pytest.raises(ValueError, match="outside"):
-        build_datastore("chars", [tmp_path / "foreign.jsonl"], tmp_path / "f.ds", tokenizer=CharTokenizer(),
-                        progress=False)
+    for foreign in ([3, 500], [3, 2**32 + 5]):  # the second would wrap to 5 as int32
+        (tmp_path / "foreign.jsonl").write_text(json.dumps({"output_ids": foreign}) + "\n")
+        with pytest.raises(ValueError, match="outside"):
+            build_datastore("chars", [tmp_path / "foreign.jsonl"], tmp_path / "f.ds", tokenizer=CharTokenizer(),
+                            progress=False)
 
 
 def test_cli_build_and_info(tmp_path, capsys, monkeypatch):
