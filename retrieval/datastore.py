@@ -224,9 +224,9 @@ TOKEN_ID_KEYS = frozenset({"output_ids", "token_ids"})
 _SKIP = re.compile(r"[\s,]*")
 
 
-def texts_from_json(obj: Any, key: str | None = None) -> Iterator[str | np.ndarray]:
-    """Strings under :data:`TEXT_KEYS` anywhere in ``obj`` (a bare top-level string counts too), and lists of token
-    ids under :data:`TOKEN_ID_KEYS` (as int64 arrays, taken as they are)."""
+def documents_from_json(obj: Any, key: str | None = None) -> Iterator[str | np.ndarray]:
+    """The documents in ``obj``: strings under :data:`TEXT_KEYS` anywhere in it (a bare top-level string counts too),
+    and lists of token ids under :data:`TOKEN_ID_KEYS` (as int64 arrays, taken as they are)."""
     if key in TOKEN_ID_KEYS and isinstance(obj, list) and obj and all(type(x) is int for x in obj):
         yield np.asarray(obj, dtype=np.int64)
     elif isinstance(obj, str):
@@ -234,10 +234,10 @@ def texts_from_json(obj: Any, key: str | None = None) -> Iterator[str | np.ndarr
             yield obj
     elif isinstance(obj, list):
         for x in obj:
-            yield from texts_from_json(x, key)
+            yield from documents_from_json(x, key)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from texts_from_json(v, k)
+            yield from documents_from_json(v, k)
 
 
 def iter_json_values(text: str, path: str = "<json>") -> Iterator[Any]:
@@ -270,7 +270,7 @@ def iter_json_values(text: str, path: str = "<json>") -> Iterator[Any]:
 
 def iter_documents(path: str | os.PathLike) -> Iterator[str | np.ndarray]:
     """Documents of a corpus file: ``.jsonl`` (one JSON value per line), ``.json`` (an array, possibly truncated),
-    anything else as one plain-text document. A document is text, or token ids (:func:`texts_from_json`)."""
+    anything else as one plain-text document. A document is text, or token ids (:func:`documents_from_json`)."""
     path = os.fspath(path)
     suffix = Path(path).suffix.lower()
     if suffix == ".jsonl":
@@ -281,12 +281,12 @@ def iter_documents(path: str | os.PathLike) -> Iterator[str | np.ndarray]:
                         obj = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
-                    yield from texts_from_json(obj)
+                    yield from documents_from_json(obj)
     elif suffix == ".json":
         with open(path, encoding="utf-8") as f:
             text = f.read()
         for value in iter_json_values(text, path):
-            yield from texts_from_json(value)
+            yield from documents_from_json(value)
     else:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()

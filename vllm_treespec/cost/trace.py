@@ -265,7 +265,7 @@ def drafting_against_gate(steps: list[dict[str, Any]], min_reqs: int = 1,
     the tokens they committed over what the gate's plain rate for each (``plain``) commits in its time — below 1,
     drafting lost against the plain step the gate weighed it against (a plain rate the step-cost model predicts
     within a few percent: :func:`prediction_error`)."""
-    kinds: dict[str, list[tuple[float, float, float]]] = {}
+    kinds: dict[str, list[tuple[float, float, int, float]]] = {}  # own ms, priced ms, committed, plain's
     for step, ms in _own_times(steps):
         reqs = step["reqs"]
         if not _drafts(step) or not step.get("plain") or not step.get("best") or reqs < min_reqs \
