@@ -92,15 +92,19 @@ def save_datastore(path: str | os.PathLike, automaton: StaticSuffixAutomaton, *,
         offset = _align(offset + a.nbytes)
     blob = msgspec.msgpack.encode(header)
     assert _PREFIX.size + len(blob) <= reserved
-    tmp = Path(f"{os.fspath(path)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(_PREFIX.pack(MAGIC, len(blob)))
-        f.write(blob)
-        for name, a in arrays.items():
-            f.seek(specs[name].offset)
-            f.write(np.ascontiguousarray(a).tobytes())
-        f.truncate(offset)
-    os.replace(tmp, path)
+    tmp = Path(f"{os.fspath(path)}.{os.getpid()}.tmp")  # two processes saving to one path do not share it
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_PREFIX.pack(MAGIC, len(blob)))
+            f.write(blob)
+            for name, a in arrays.items():
+                f.seek(specs[name].offset)
+                f.write(np.ascontiguousarray(a).tobytes())
+            f.truncate(offset)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves the old file, not a stray half of the new one
+        raise
     return header
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from collections import OrderedDict, deque
-from typing import Callable, Generic, Hashable, Iterable, TypeVar
+from typing import Callable, Generic, Hashable, Iterable, Mapping, TypeVar
 
 import numpy as np
 
@@ -120,9 +120,15 @@ class GlobalSuffixStore:
         self.max_tokens = max_tokens
         self.sam = SuffixAutomaton(capacity=min(max_tokens, 4096))
         self.doc_lens: deque[int] = deque()  # stored length of each document, separator included
+        self.documents_added = 0  # ever, evicted ones included: what a store file counts its saves by
 
     def __len__(self) -> int:
         return len(self.sam)
+
+    @property
+    def num_documents(self) -> int:
+        """Documents held now."""
+        return len(self.doc_lens)
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +150,7 @@ class GlobalSuffixStore:
             self.sam.extend(kept, max_capacity=self.max_tokens)
         self.sam.add_document(tokens, max_capacity=self.max_tokens)
         self.doc_lens.append(size)
+        self.documents_added += 1
 
 
 class SuffixRetriever(Retriever):
@@ -207,15 +214,21 @@ class SuffixRetriever(Retriever):
             return trees[0]
         return merge_trees(trees, budget) if trees else empty_tree()
 
-    def release(self, keys: Iterable[Hashable], commit: bool = True) -> None:
-        """Drop the requests' state; with ``commit``, index their outputs (tokens from ``prompt_len``) globally."""
+    def release(self, keys: Iterable[Hashable], commit: bool = True,
+                outputs: Mapping[Hashable, np.ndarray] | None = None) -> None:
+        """Drop the requests' state; with ``commit``, index their outputs globally: a request's tokens in
+        ``outputs`` when given (its whole output), else its indexed tokens from ``prompt_len`` (as far as the last
+        :meth:`retrieve` for it read)."""
+        outputs = outputs or {}
         for key in keys:
             item = self.requests.pop(key)
-            if item is None or not commit or self.global_store is None:
+            if not commit or self.global_store is None:
                 continue
-            sam = item.index
-            output = sam.tokens[max(0, item.prompt_len - item.window_start):len(sam)]
-            self.global_store.add(output)
+            if key in outputs:
+                self.global_store.add(outputs[key])
+            elif item is not None:
+                sam = item.index
+                self.global_store.add(sam.tokens[max(0, item.prompt_len - item.window_start):len(sam)])
 
     @property
     def nbytes(self) -> int:

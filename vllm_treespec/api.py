@@ -191,6 +191,8 @@ class ProposeContext:
     sampled_token_ids: tokens committed by this step (accepted drafts + bonus) per row; ``[]`` for a partial
         prefill, for which no draft is needed (return None).
     num_tokens: committed length per row (prompt + output so far, this step's tokens included).
+    num_prompt_tokens: prompt length per row, when known (the engine's input batch; None in vLLM's ``custom_class``
+        path): see :meth:`prompt_len`.
     token_ids: [max_reqs, max_model_len] committed tokens; only ``token_ids[i, :num_tokens[i]]`` is valid. Read only.
     max_nodes: the verify budget (``num_speculative_tokens``); longer trees are truncated to it.
     hidden_states / aux_hidden_states: the target's hidden states of this step's *committed* rows (chainized), when
@@ -249,6 +251,7 @@ class ProposeContext:
     num_tokens: np.ndarray
     token_ids: np.ndarray
     max_nodes: int
+    num_prompt_tokens: np.ndarray | None = None
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
     hidden_row_index: np.ndarray | None = None
@@ -278,6 +281,13 @@ class ProposeContext:
 
     def committed(self, i: int) -> np.ndarray:
         return self.token_ids[i, : int(self.num_tokens[i])]
+
+    def prompt_len(self, i: int) -> int:
+        """Where row ``i``'s output starts in :meth:`committed`. Without ``num_prompt_tokens``, the committed
+        length before this step's tokens: the prompt's only on the request's first step after its prefill."""
+        if self.num_prompt_tokens is not None:
+            return int(self.num_prompt_tokens[i])
+        return int(self.num_tokens[i]) - len(self.sampled_token_ids[i])
 
     def needs_draft(self, i: int) -> bool:
         return len(self.sampled_token_ids[i]) > 0 and (self.draft_rows is None or bool(self.draft_rows[i]))
@@ -330,6 +340,10 @@ class TreeProposer:
     #: (``VerificationResult.target_topk``), read from the logits in place (~35 us a row of a 49k vocabulary on one
     #: CPU thread); an instance may set it (from its options).
     wants_target_topk: int = 0
+    #: hand :meth:`on_outputs_finished` the output tokens of the requests that finished (graft and suffix_tree
+    #: index them whole, where their own steps saw an output only as far as they last drafted for it); an instance
+    #: may set it.
+    wants_finished_outputs: bool = False
     #: names of the sources that score nodes (``DraftTree.node_sources`` indexes them); () = one source. The
     #: verifier learns an acceptance rate per source and raw-confidence bin for the step budget.
     acceptance_sources: tuple[str, ...] = ()
@@ -388,8 +402,17 @@ class TreeProposer:
     def on_verified(self, results: list[VerificationResult]) -> None:
         """Called after each verify step with the outcome of every tree row."""
 
+    def on_outputs_finished(self, outputs: dict[str, np.ndarray]) -> None:
+        """Called just before :meth:`on_requests_finished` when ``wants_finished_outputs``: by request id, the
+        output tokens (after the prompt, every committed token) of those finishing requests the engine still
+        holds. Read only."""
+
     def on_requests_finished(self, req_ids: set[str]) -> None:
         """Requests that finished, were aborted or preempted; drop their state."""
+
+    def on_shutdown(self) -> None:
+        """The engine is shutting down (vLLM's worker ``shutdown``): save what should outlive it. Not called when
+        the process is killed, so save anything precious periodically too. An exception is logged, not raised."""
 
     # --- vLLM custom_class contract ---------------------------------------------------------------------------
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_: Any):

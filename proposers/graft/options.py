@@ -8,7 +8,7 @@ from typing import Literal
 
 import msgspec
 
-from vllm_treespec.proposers._retrieval_base import check_datastore_option
+from vllm_treespec.proposers._retrieval_base import check_datastore_option, check_store_file_option
 from vllm_treespec.proposers.graft.calibration import check_checkpoints, check_thresholds, load_calibration
 
 SourceName = Literal["successor", "suffix", "ngram"]
@@ -46,6 +46,11 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_depth: int = 16
     #: index finished outputs in a global suffix automaton and retrieve from it
     suffix_global: bool = True
+    #: datastore file that keeps the global store of finished outputs across restarts: loaded at start (if it
+    #: exists), saved every ``suffix_global_save_every`` finished requests and at shutdown. None = kept in memory only
+    suffix_global_file: str | None = None
+    #: finished requests between two saves of ``suffix_global_file``
+    suffix_global_save_every: int = 256
     #: corpus datastore (``vllm-treespec datastore build``) for the suffix source; None = no corpus
     datastore: str | None = None
     #: shortest n-gram ending the context that the n-gram source looks up
@@ -145,6 +150,15 @@ class GraftOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"({len(self.thresholds)}) must have the same length")
         if self.datastore is not None:
             check_datastore_option("graft option 'datastore'", self.datastore)
+        if self.suffix_global_save_every < 1:
+            raise ValueError(f"graft option 'suffix_global_save_every' must be >= 1, got "
+                             f"{self.suffix_global_save_every}")
+        if self.suffix_global_file is not None:
+            if not self.suffix_global or "suffix" not in self.sources:
+                raise ValueError("graft option 'suffix_global_file' keeps the global store of finished outputs: it "
+                                 "needs 'suffix_global': true and 'suffix' in 'sources'")
+            self.suffix_global_file = os.path.expanduser(self.suffix_global_file)
+            check_store_file_option("graft option 'suffix_global_file'", self.suffix_global_file)
         if self.eagle_checkpoint not in NAMED_HEADS:
             if not os.path.exists(self.eagle_checkpoint):
                 raise ValueError(f"graft option 'eagle_checkpoint': no such file or directory "

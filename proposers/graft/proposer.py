@@ -15,7 +15,7 @@ from vllm_treespec.api import DraftTree, ProposeContext, TreeProposer, Verificat
 from vllm_treespec.cost.allocate import DraftGate
 from vllm_treespec.cost.online import CallCost
 from vllm_treespec.device_defaults import DEFAULT_MIN_NODE_CONFIDENCE, DEFAULT_MODEL_DRAFT_MAX_BATCH, device_kind
-from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels
+from vllm_treespec.proposers._retrieval_base import compile_retrieval_kernels, open_store_file, save_store_file
 from vllm_treespec.proposers.graft.assemble import AssembledTree, assemble_tree, empty_assembled
 from vllm_treespec.proposers.graft.budget import budget_curve
 from vllm_treespec.proposers.graft.calibration import load_calibration
@@ -63,6 +63,12 @@ class GraftProposer(TreeProposer):
         self.checkpoints = dict(zip(checkpoints, thresholds)) if opts.prune else {}
         self.first_checkpoint = int(checkpoints[0])
         self.sources = self._retrieval_sources(vllm_config, vocab_size)
+        # finished outputs go whole into the global store: graft's own steps see an output only where it drafted
+        self.wants_finished_outputs = self.sources.suffix is not None and self.sources.suffix.global_store is not None
+        self._finished_outputs: dict[str, np.ndarray] = {}
+        self.store_file = open_store_file(
+            "graft option 'suffix_global_file'", opts.suffix_global_file, self.sources.suffix, vllm_config,
+            opts.suffix_global_save_every) if opts.suffix_global_file is not None else None
         # the successor table learns the target's top-k at every verified row (on_verified)
         self.wants_target_topk = self.sources.successors.k if self.sources.successors is not None else 0
         kind = device_kind(vllm_config)  # key of the per-device defaults
@@ -243,8 +249,7 @@ class GraftProposer(TreeProposer):
         firsts = []  # each matched row's best root child's raw confidence
         for i in rows:
             req_id, context = ctx.req_ids[i], ctx.committed(i)
-            prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
-            found = self.sources.suffix.retrieve(req_id, context, budget, prompt_len=prompt_len)
+            found = self.sources.suffix.retrieve(req_id, context, budget, prompt_len=ctx.prompt_len(i))
             roots = found.parents < 0
             if roots.any():
                 matched.append((i, found, self._source_id("suffix", found.match_len)))
@@ -348,10 +353,9 @@ class GraftProposer(TreeProposer):
     def _retrieve(self, ctx: ProposeContext, i: int, budget: int) -> dict[str, RetrievedTree]:
         """Each retrieval source's tree continuing request row ``i``'s committed tokens (which they learn first)."""
         req_id, context = ctx.req_ids[i], ctx.committed(i)
-        prompt_len = int(ctx.num_tokens[i]) - len(ctx.sampled_token_ids[i])
         self.sources.observe(req_id, context)
         self._roots[req_id] = int(context[-1])
-        return self.sources.at_root(req_id, context, budget, prompt_len)
+        return self.sources.at_root(req_id, context, budget, ctx.prompt_len(i))
 
     def _tree(self, ctx: ProposeContext, i: int, budget: int, draft: DraftGrowth | None, floor: float,
               alternative: bool = False, found: dict[str, RetrievedTree] | None = None,
@@ -505,4 +509,12 @@ class GraftProposer(TreeProposer):
         for r in req_ids:
             self._roots.pop(r, None)
             self._last_trees.pop(r, None)
-        self.sources.release(req_ids)
+        self.sources.release(req_ids, self._finished_outputs)
+        self._finished_outputs = {}
+        save_store_file(self.store_file)
+
+    def on_outputs_finished(self, outputs: dict[str, np.ndarray]) -> None:
+        self._finished_outputs = outputs
+
+    def on_shutdown(self) -> None:
+        save_store_file(self.store_file, now=True)

@@ -104,9 +104,11 @@ class RetrievalSources:
         if self.successors is not None and len(tokens):
             self.successors.update(tokens, topk_ids, topk_probs)
 
-    def release(self, req_ids: set[str]) -> None:
+    def release(self, req_ids: set[str], outputs: dict[str, np.ndarray] | None = None) -> None:
+        """Drop the requests' state; the suffix source indexes their ``outputs`` (whole, when given) globally."""
         for r in req_ids:
             self._seen.pop(r, None)
-        for retriever in (self.suffix, self.ngram):
-            if retriever is not None:
-                retriever.release(req_ids)
+        if self.suffix is not None:
+            self.suffix.release(req_ids, outputs=outputs)
+        if self.ngram is not None:
+            self.ngram.release(req_ids)

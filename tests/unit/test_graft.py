@@ -1063,3 +1063,30 @@ def test_the_head_drafts_for_the_requests_no_source_matched_on_steps_its_gate_ke
     off, drafter = graft([0.9, 0.9, 0.9], unmatched_head=False)
     _, (_, unmatched) = step(off)
     assert drafter.ingested == [] and unmatched.num_nodes == 0 and off.unmatched_gate is None
+
+
+def test_finished_outputs_kept_in_a_file_draft_for_the_next_engine(tmp_path):
+    path = tmp_path / "outputs.tsds"
+    first = proposer(budget=8, sources=("suffix",), adaptive_budget=False, suffix_global_file=str(path),
+                     suffix_global_save_every=2)
+    prompt, outputs = [30, 31, 32], {"a": [1, 2, 3, 4], "b": [7, 8, 9]}
+    for req, out in outputs.items():
+        first.propose_trees(make_ctx([prompt + out[:1]], req_ids=[req]))
+        first.propose_trees(make_ctx([prompt + out], req_ids=[req]))
+    first.on_requests_finished({"a"})
+    assert not path.exists()  # one finished request of the two between saves
+    first.on_requests_finished({"b"})
+    assert path.exists()
+    first.on_shutdown()  # nothing new since that save: the file stays as it is
+
+    second = proposer(budget=8, sources=("suffix",), adaptive_budget=False, suffix_global_file=str(path))
+    assert len(second.sources.suffix.global_store) == 9  # both outputs, a separator after each
+    tree = second.propose_trees(make_ctx([[50, 1, 2]], req_ids=["c"]))[0]
+    assert edges(tree)[:2] == [((), 3), ((3,), 4)]  # the first engine's output continues the new request
+
+
+def test_store_file_option_needs_the_global_store():
+    with pytest.raises(msgspec.ValidationError, match="suffix_global_file.*suffix_global"):
+        msgspec.convert({"suffix_global_file": "outputs.tsds", "suffix_global": False}, GraftOptions)
+    with pytest.raises(msgspec.ValidationError, match="suffix_global_file.*sources"):
+        msgspec.convert({"suffix_global_file": "outputs.tsds", "sources": ["ngram"]}, GraftOptions)

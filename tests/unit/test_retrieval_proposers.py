@@ -10,6 +10,7 @@ from vllm_treespec.api import DraftTree, ProposeContext, load_proposer_class
 from vllm_treespec.proposers.ngram_tree import NgramTreeOptions, NgramTreeProposer
 from vllm_treespec.proposers.suffix_tree import SuffixTreeOptions, SuffixTreeProposer
 from vllm_treespec.retrieval.datastore import build_from_token_documents
+from vllm_treespec.retrieval.store_file import documents_of
 
 
 def make_ctx(req_ids, contexts, sampled, max_nodes=8) -> ProposeContext:
@@ -65,6 +66,25 @@ def test_suffix_tree_merges_branches_and_learns_from_finished_requests():
     assert roots == {3: 0.5, 5: 0.5}
 
 
+def test_suffix_tree_indexes_whole_outputs_and_reads_prompt_lengths_from_the_engine():
+    proposer = SuffixTreeProposer(None, SuffixTreeOptions(min_token_prob=0.0))
+    assert proposer.wants_finished_outputs
+    prompt, out = [10, 11, 12], [1, 2, 3, 4, 5, 6]
+    # first seen three tokens into its output (it was not asked for a tree before): the engine's prompt length
+    # marks where the output starts, not the tokens before this step
+    ctx = make_ctx(["r1"], [prompt + out[:3]], [out[2:3]])
+    ctx.num_prompt_tokens = np.array([len(prompt)])
+    proposer.propose_trees(ctx)
+    proposer.on_requests_finished({"r1"})
+    assert proposer.retriever.global_store.sam.tokens[:4].tolist() == [1, 2, 3, -1]  # as far as it read
+    # with the engine's outputs it indexes every committed token, also of a request it never drafted for
+    proposer.on_outputs_finished({"r2": np.array(out), "r3": np.array([7, 8])})
+    proposer.on_requests_finished({"r2", "r3"})
+    stored = proposer.retriever.global_store.sam.tokens[:len(proposer.retriever.global_store)]
+    documents = [d.tolist() for d in documents_of(stored)]
+    assert documents[0] == [1, 2, 3] and sorted(documents[1:]) == [out, [7, 8]]
+
+
 def test_suffix_tree_reads_a_datastore(tmp_path):
     path = tmp_path / "c.ds"
     build_from_token_documents([np.array([20, 21, 22, 23])], path, vocab_size=64, tokenizer="toy")
@@ -91,3 +111,32 @@ def test_options_are_validated_naming_the_field(options_type, raw, field):
 def test_unknown_option_is_refused():
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({"budget_nodes": 3}, SuffixTreeOptions)
+
+
+def test_suffix_tree_keeps_finished_outputs_in_a_file_across_restarts(tmp_path):
+    path = tmp_path / "outputs.tsds"
+    first = SuffixTreeProposer(None, SuffixTreeOptions(min_token_prob=0.0, global_file=str(path),
+                                                       global_save_every=1000))
+    prompt, out = [10, 11, 12], [1, 2, 3, 4]
+    first.propose_trees(make_ctx(["r1"], [prompt + out[:1]], [out[:1]]))
+    first.propose_trees(make_ctx(["r1"], [prompt + out], [out[1:]]))
+    first.on_requests_finished({"r1"})
+    assert not path.exists()  # 1 of 1000 finished requests: not due
+    first.on_shutdown()
+    second = SuffixTreeProposer(None, SuffixTreeOptions(min_token_prob=0.0, global_file=str(path)))
+    tree = second.propose_trees(make_ctx(["r2"], [[40, 1, 2]], [[2]]))[0]
+    assert tree.token_ids.tolist() == [3, 4]  # the first engine's output, read back from the file
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"global_file": "/nonexistent/folder/o.tsds"}, "global_file.*does not exist"),
+    ({"global_file": "{tmp}"}, "global_file.*is a folder"),
+    ({"global_file": "{tmp}/junk.tsds"}, "global_file.*junk.tsds.*delete it"),
+    ({"global_file": "{tmp}/o.tsds", "use_global": False}, "global_file.*use_global"),
+    ({"global_save_every": 0}, "global_save_every"),
+])
+def test_store_file_options_are_checked_naming_the_field(tmp_path, raw, message):
+    (tmp_path / "junk.tsds").write_bytes(b"not a datastore")
+    raw = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in raw.items()}
+    with pytest.raises(msgspec.ValidationError, match=message):
+        msgspec.convert(raw, SuffixTreeOptions)

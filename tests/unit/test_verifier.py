@@ -711,3 +711,30 @@ def test_bonus_rows_sample_as_vllms_rejection_sampler_samples_a_step_without_dra
     assert out.sampled_token_ids[:, :1].tolist() == vllms.sampled_token_ids.tolist()
     assert out.sampled_token_ids[:, 0].tolist() == bonus_logits.argmax(dim=-1).tolist()
     assert (out.sampled_token_ids[:, 1:] == -1).all() and out.logprobs_tensors is None
+
+
+def test_a_proposer_that_asks_gets_the_finishing_requests_outputs_before_they_finish():
+    verifier = make_verifier([request_a(), FakeRequest("b", [1, 2, 3, 4, 5], [1, 4], prompt_len=2)])
+    verifier.proposer.wants_finished_outputs = True
+    calls = []
+    verifier.proposer.on_outputs_finished = lambda outputs: calls.append(
+        ({r: t.tolist() for r, t in outputs.items()}, list(verifier.proposer.finished)))
+    verifier.finished({"b", "gone"})  # "gone" has left the batch already: no output to give
+    assert calls == [({"b": [3, 4, 5]}, [])]  # every token after the prompt, before on_requests_finished
+    assert verifier.proposer.finished == [{"b", "gone"}]
+
+
+def test_shutdown_lets_the_proposer_save_and_survives_its_failure(caplog):
+    verifier = make_verifier()
+    calls = []
+    verifier.proposer.on_shutdown = lambda: calls.append("saved")
+    verifier.shutdown()
+    assert calls == ["saved"]
+
+    def failing():
+        raise OSError("disk gone")
+
+    verifier.proposer.on_shutdown = failing
+    with caplog.at_level(logging.WARNING, logger="vllm.treespec"):
+        verifier.shutdown()  # vLLM's own shutdown must go on
+    assert "FakeProposer's shutdown failed: OSError: disk gone" in caplog.text

@@ -134,7 +134,7 @@ class TreeVerifier:
                     trace.note(**{field: nodes for field, nodes in taught.items() if nodes})
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
-                             max_nodes=self.max_nodes,
+                             max_nodes=self.max_nodes, num_prompt_tokens=input_batch.num_prompt_tokens,
                              step_cost=self.budget.step_time if self.budget is not None else None,
                              expectation_factor=self.acceptance.expectation.factor if self.budget is not None else 1.0)
         proposer = self.proposer
@@ -405,4 +405,27 @@ class TreeVerifier:
             for req_id in req_ids:
                 self.pending.pop(req_id, None)
             self.acceptance.forget(req_ids)
+            if self.proposer.wants_finished_outputs:
+                self.proposer.on_outputs_finished(self._outputs_of(req_ids))
             self.proposer.on_requests_finished(set(req_ids))
+
+    def _outputs_of(self, req_ids: set[str]) -> dict[str, np.ndarray]:
+        """The output tokens of the finishing requests still in the input batch (called before vLLM removes them)."""
+        batch = self.runner.input_batch
+        outputs = {}
+        for req_id in req_ids:
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:
+                start, stop = int(batch.num_prompt_tokens[row]), int(batch.num_tokens_no_spec[row])
+                outputs[req_id] = batch.token_ids_cpu[row, start:stop].copy()
+        return outputs
+
+    # --- hook: engine shutdown ----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """The worker is shutting down: the proposer saves what it keeps (a failure is one log line: vLLM's own
+        shutdown goes on)."""
+        try:
+            self.proposer.on_shutdown()
+        except Exception as e:  # noqa: BLE001 - shutting down must not fail on a proposer's save
+            logger.warning("vllm_treespec: %s's shutdown failed: %s: %s", type(self.proposer).__name__,
+                           type(e).__name__, e)
