@@ -95,3 +95,15 @@ def test_a_continued_head_records_the_head_it_started_from(tmp_path):
     (first / "config.json").write_text(json.dumps({"treespec_training": {
         "target": "/local/path", "sharegpt_positions": [1000, 2169], "steps": 852, "final_valid": {"step": 852}}}))
     assert continued_record("shipped", first) == {"head": "shipped", "sharegpt_positions": [1000, 2169], "steps": 852}
+
+
+def test_only_the_stages_that_write_a_head_ask_for_its_folder(capsys):
+    from vllm_treespec.training.train import main
+
+    for stage in ("all", "export"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--stage", stage])
+        assert exit_info.value.code == 2
+        assert f"-o/--out is needed with --stage {stage}" in capsys.readouterr().err
+    for stage in ("generate", "features", "train"):
+        assert build_parser().parse_args(["--stage", stage]).out is None

@@ -484,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=None, help="intermediate data and the resumable checkpoint "
                    "(default: <cache>/eagle-work-<model name>, with -from-<position> when the prompts start after "
                    "1000)")
-    p.add_argument("-o", "--out", required=True, help="output folder of the vLLM eagle3 checkpoint")
+    p.add_argument("-o", "--out", default=None, help="output folder of the vLLM eagle3 checkpoint (needed by the "
+                   "stages that write it: all and export)")
     p.add_argument("--num-prompts", type=int, default=1024, help="ShareGPT prompts the target answers")
     p.add_argument("--prompts-from", type=int, default=None, help="position in ShareGPT's seeded shuffle of the first "
                    f"training prompt (default {SHAREGPT_EVAL_PREFIX}; with --init-from, the first position after the "
@@ -522,7 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.out is None and args.stage in ("all", "export"):
+        parser.error(f"-o/--out is needed with --stage {args.stage}: the folder the head is written to")
     from vllm_treespec.settings import default_cache_dir
     from vllm_treespec.tools.engine_env import cpu_memory_defaults
 
@@ -552,6 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              first=prompts_from)
     timings = {"generate_s": round(time.time() - t0, 1)}
     if args.stage == "generate":
+        print(f"train-eagle: the target's answers are in {conversations}")
         return 0
     t0 = time.time()
     features = extract_features(model_dir, conversations, work / "features", aux_layers, max_len=args.max_len)
