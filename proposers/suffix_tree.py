@@ -3,8 +3,9 @@
 Reads each request's committed tokens (``ctx.committed(i)``). Three sources answer, and their trees are merged
 (:class:`vllm_treespec.retrieval.SuffixRetriever`): a per-request automaton over the request's own prompt and output
 (longest earlier-occurring suffix), a global automaton over the outputs of finished requests (kept across restarts in
-a file with ``global_file``), and optionally a corpus datastore built with ``vllm-treespec datastore build``. Nodes are chosen best-first by path probability, where each
-node's confidence is the empirical probability of its token after the matched suffix and its path (``node_probs``).
+a file with ``global_file``), and optionally a corpus datastore built with ``vllm-treespec datastore build``. Nodes
+are chosen best-first by path probability, where each node's confidence is the empirical probability of its token
+after the matched suffix and its path (``node_probs``).
 Needs no model, hidden states or KV cache.
 """
 
