@@ -99,14 +99,12 @@ class SuffixTreeProposer(RetrievalTreeProposer):
         # finished outputs go whole into the global store (with their prompt when global_include_prompt: the
         # request's own automaton holds it, so those are indexed from there as before)
         self.wants_finished_outputs = opts.use_global and not opts.global_include_prompt
-        self._finished_outputs: dict[str, np.ndarray] = {}
 
     def on_outputs_finished(self, outputs: dict[str, np.ndarray]) -> None:
-        self._finished_outputs = outputs
+        self.retriever.release(outputs, outputs=outputs)
 
     def on_requests_finished(self, req_ids: set[str]) -> None:
-        self.retriever.release(req_ids, outputs=self._finished_outputs)
-        self._finished_outputs = {}
+        super().on_requests_finished(req_ids)  # those on_outputs_finished did not index whole, as far as read
         save_store_file(self.store_file)
 
     def on_shutdown(self) -> None:

@@ -65,7 +65,6 @@ class GraftProposer(TreeProposer):
         self.sources = self._retrieval_sources(vllm_config, vocab_size)
         # finished outputs go whole into the global store: graft's own steps see an output only where it drafted
         self.wants_finished_outputs = self.sources.suffix is not None and self.sources.suffix.global_store is not None
-        self._finished_outputs: dict[str, np.ndarray] = {}
         self.store_file = open_store_file(
             "graft option 'suffix_global_file'", opts.suffix_global_file, self.sources.suffix, vllm_config,
             opts.suffix_global_save_every) if opts.suffix_global_file is not None else None
@@ -509,12 +508,11 @@ class GraftProposer(TreeProposer):
         for r in req_ids:
             self._roots.pop(r, None)
             self._last_trees.pop(r, None)
-        self.sources.release(req_ids, self._finished_outputs)
-        self._finished_outputs = {}
+        self.sources.release(req_ids)  # those on_outputs_finished did not index whole, as far as they were read
         save_store_file(self.store_file)
 
     def on_outputs_finished(self, outputs: dict[str, np.ndarray]) -> None:
-        self._finished_outputs = outputs
+        self.sources.release(set(outputs), outputs)
 
     def on_shutdown(self) -> None:
         save_store_file(self.store_file, now=True)
