@@ -513,3 +513,37 @@ def test_running_median_of_the_host_time_keeps_a_window_after_its_warm_up():
     for value in (5.0, 7.0, 4.0):
         host.add(value)
     assert host.seconds == 4.5 and len(host) == 4  # 3.0 left the window: median of 1, 5, 7, 4
+
+
+def test_the_tree_works_price_follows_the_requests_it_covers():
+    """The verifier's tree work is priced by the requests a step verifies trees for: per power-of-two bucket,
+    interpolated between buckets, flat below the smallest, along the line through the two largest above them, and
+    the median of everything before any bucket has its minimum of samples."""
+    from vllm_treespec.cost.online import RequestsMedian
+
+    work = RequestsMedian(window=8, default=0.25, warmup=1, min_samples=3)
+    assert work.predict(4) == 0.25 and not work.buckets
+    work.add(9.0, 1)  # a first tree step compiles kernels: dropped
+    work.add(0.001, 1)
+    work.add(0.003, 16)
+    assert work.predict(16) == pytest.approx(0.002) and not work.buckets  # too few per bucket: all of them
+    for _ in range(2):
+        work.add(0.001, 1)
+        work.add(0.003, 16)
+    assert work.buckets == {1: pytest.approx(0.001), 16: pytest.approx(0.003)}
+    assert work.predict(1) == pytest.approx(0.001)
+    assert work.predict(4) == pytest.approx(0.002)  # halfway in log2
+    assert work.predict(12) == pytest.approx(0.001 + 0.002 * math.log2(12) / 4)
+    for _ in range(3):
+        work.add(0.002, 8)
+    # above the largest bucket: 1 ms per 8 more requests, as from 8 to 16
+    assert work.predict(32) == pytest.approx(0.003 + 0.001 * 16 / 8)
+    assert work.predict(0) == pytest.approx(0.001)  # flat below the smallest
+    for value in (float("nan"), -1.0):
+        work.add(value, 16)  # a bad sample is dropped
+    assert work.predict(16) == pytest.approx(0.003)
+    flat = RequestsMedian(warmup=0, min_samples=1)
+    for _ in range(3):
+        flat.add(0.004, 2)
+        flat.add(0.001, 8)
+    assert flat.predict(64) == pytest.approx(0.001)  # never below the largest bucket's: work does not shrink

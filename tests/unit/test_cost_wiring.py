@@ -145,6 +145,24 @@ class Clock:
         return self.now
 
 
+def test_tree_work_is_priced_by_the_requests_a_step_drafts_for():
+    """A step verifying 16 requests' trees does more host work (attach, accept, compact each tree) than one verifying
+    a request's: once both are measured, 16 trees pay only if they beat 16 requests' tree work, though most tree
+    steps so far verified one request (one median over all of them priced it at a single request's)."""
+    tokens = np.arange(1, 80)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
+    budget.tree_worked(1.0, 1)  # the first tree step compiles its kernels
+    for _ in range(8):
+        budget.tree_worked(0.001, 1)
+    for _ in range(4):
+        budget.tree_worked(0.05, 16)
+    tree = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.3], np.float32))
+    assert budget.admit([tree], num_reqs=1)[0] is not None  # 1.3 tokens in 51 ms beats 1 in 50
+    assert all(t is None for t in budget.admit([tree] * 16, num_reqs=16))  # 20.8 in 100 ms does not beat 16 in 50
+    assert budget.draft_price(16) == pytest.approx(0.05) and budget.draft_price(1) == pytest.approx(0.001)
+    assert budget.report()["tree_work_ms_by_requests"] == {1: pytest.approx(1.0), 16: pytest.approx(50.0)}
+
+
 def test_host_time_is_the_cycle_less_the_forward_the_drafter_and_the_tree_work(monkeypatch):
     """Each step costs its forward plus what the engine does around it: measured as the time between two forwards'
     starts less the forward, the drafter's call and the verifier's tree work; the tree work is charged to steps
@@ -451,8 +469,8 @@ def test_the_proposer_is_told_the_price_of_drafting_besides_a_drafter_it_gates_i
     verifier.propose([[9], [3], [6]])
     assert verifier.proposer.contexts[-1].shared_draft_seconds == 0.0  # nothing timed yet
     verifier.budget.drafter_cost.predict = lambda num_reqs: 0.001 * num_reqs  # a call of 1 ms a request
-    verifier.budget.tree_work.samples.extend([0.002, 0.002])
-    verifier.budget.tree_work._median = None
+    for _ in range(4):  # the first is a warm-up's
+        verifier.budget.tree_work.add(0.002, num_reqs=3)
     verifier.propose([[9], [3], [6]])
     assert verifier.proposer.contexts[-1].shared_draft_seconds == pytest.approx(0.003 + 0.002)  # 3 drafting
 

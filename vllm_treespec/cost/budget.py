@@ -5,7 +5,7 @@
     trees = budget.admit(trees, num_reqs)                     # after propose_trees: trees with node_probs are trimmed
     budget.verified(accepted)                                 # next step: what the target accepted of them
     budget.step_started(num_tokens, num_reqs) ... budget.step_finished()   # around the forward: online refinement
-    budget.tree_worked(seconds)                               # the verifier's own host work of a tree step
+    budget.tree_worked(seconds, num_reqs)                     # the verifier's own host work of a tree step
 
 What a step costs is the forward (the measured :class:`~vllm_treespec.cost.model.StepCostModel`, refined online from
 each CPU forward's time) plus the host time outside it — scheduler, sampler, output processing — measured online as
@@ -31,7 +31,7 @@ import numpy as np
 from vllm_treespec.api import DraftTree
 from vllm_treespec.cost.allocate import Allocation, DraftGate, allocate
 from vllm_treespec.cost.model import CostRecord, CurveModel, StepCostModel
-from vllm_treespec.cost.online import WARMUP_SAMPLES, CallCost, RunningMedian
+from vllm_treespec.cost.online import WARMUP_SAMPLES, CallCost, RequestsMedian, RunningMedian
 from vllm_treespec.cost.trace import BudgetTrace
 
 logger = logging.getLogger("vllm.treespec")
@@ -92,7 +92,7 @@ class StepBudget:
                  batch_cap: int | None = None, min_gain: float = 0.0) -> None:
         self.cost = cost  # the forward's model
         self.step_time = StepTime(cost)
-        self.tree_work = RunningMedian()  # the verifier's host seconds per tree step
+        self.tree_work = RequestsMedian()  # the verifier's host seconds per tree step, by the requests it verified
         self.drafter_cost = DrafterCost(drafter_cost)
         self.max_nodes = int(max_nodes)
         self.batch_cap = batch_cap
@@ -167,7 +167,7 @@ class StepBudget:
             if self.trace is not None:
                 self.trace.plan(gate="plain")
             return False
-        self.gate.overhead = self.tree_work.seconds
+        self.gate.overhead = self.tree_work.predict(num_reqs)
         draft = self.gate.should_draft(num_reqs, self.max_nodes,
                                        row_excess=None if row_excess is None else float(np.mean(row_excess)),
                                        extra_seconds=extra_seconds)
@@ -197,7 +197,7 @@ class StepBudget:
     def draft_price(self, num_reqs: int) -> float:
         """Seconds the gate charges a drafting step of ``num_reqs`` requests beyond its forward: the drafter's
         measured call (0 before it is timed) and the tree work of pricing and handing over its trees."""
-        return (self.drafter_cost.predict(num_reqs) or 0.0) + self.tree_work.seconds
+        return (self.drafter_cost.predict(num_reqs) or 0.0) + self.tree_work.predict(num_reqs)
 
     def glanced(self, trees: int, seconds: float) -> None:
         """A skipped step's glance (:meth:`TreeProposer.glance`) offered ``trees`` trees in ``seconds``. Not host
@@ -225,8 +225,11 @@ class StepBudget:
             return list(trees)
         if not glance:
             self.gate.record(trees, requests=drafting_requests, per_request_cap=self.max_nodes)
+        # the tree work of as many requests as were asked for trees (the allocator may keep fewer: priced high)
+        tree_work = self.tree_work.predict(drafting_requests if drafting_requests is not None
+                                           else sum(t is not None and t.num_nodes > 0 for t in trees))
         # a probe's trees are verified without the tree work's price, so that price is measured again
-        overhead = 0.0 if self.gate.probing else self.tree_work.seconds
+        overhead = 0.0 if self.gate.probing else tree_work
         allocation = allocate(trees, self.step_time, num_reqs=num_reqs, base_tokens=base_tokens,
                               per_request_cap=self.max_nodes, batch_cap=self.batch_cap,
                               overhead=overhead, min_gain=self.min_gain,
@@ -237,7 +240,7 @@ class StepBudget:
             self.stats["glance_nodes"] += allocation.total_nodes
         else:
             # a probe is priced without the tree work: what it saves is counted with it
-            self.gate.allocated(allocation, self.tree_work.seconds if self.gate.probing else 0.0)
+            self.gate.allocated(allocation, tree_work if self.gate.probing else 0.0)
         self.stats["allocations"] += 1
         self.stats["probes"] += self.gate.probing
         offered = sum(min(t.num_nodes, self.max_nodes) for t in trees if t is not None)
@@ -308,9 +311,12 @@ class StepBudget:
             if self.trace is not None:
                 self.trace.note(forward_ms=seconds * 1e3)
 
-    def tree_worked(self, seconds: float) -> None:
-        """The verifier's host work of a step that verified trees (attach, acceptance, KV compaction)."""
-        self.tree_work.add(seconds)
+    def tree_worked(self, seconds: float, num_reqs: int = 1) -> None:
+        """The verifier's host work of a step that verified the trees of ``num_reqs`` requests (attach, acceptance,
+        KV compaction): priced by the requests a drafting step drafts for."""
+        self.tree_work.add(seconds, num_reqs)
+        if self.trace is not None:
+            self.trace.note(tree_ms=seconds * 1e3)
         self._cycle_other += seconds
 
     def report(self) -> dict[str, Any]:
@@ -320,6 +326,7 @@ class StepBudget:
                                                   in sorted(self.cost.draft_by_requests.items())},
                 "host_ms": self.host_seconds * 1e3,
                 "tree_work_ms": self.tree_work.seconds * 1e3,
+                "tree_work_ms_by_requests": {reqs: s * 1e3 for reqs, s in self.tree_work.buckets.items()},
                 "drafter_ms": {2 ** b: s * 1e3 for b, s in sorted(self.drafter_cost.timed.buckets.items())}}
 
 

@@ -376,7 +376,7 @@ class TreeVerifier:
                                                            topk))
             self._tree_seconds += time.perf_counter() - started
         if self.budget is not None:
-            self.budget.tree_worked(self._tree_seconds)
+            self.budget.tree_worked(self._tree_seconds, batch.num_reqs)
         return output
 
     # --- KV compaction --------------------------------------------------------------------------------------------
