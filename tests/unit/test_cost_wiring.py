@@ -145,45 +145,31 @@ class Clock:
         return self.now
 
 
-def test_tree_work_is_priced_by_the_requests_a_step_drafts_for():
-    """A step verifying 16 requests' trees does more host work (attach, accept, compact each tree) than one verifying
-    a request's: once both are measured, 16 trees pay only if they beat 16 requests' tree work, though most tree
-    steps so far verified one request (one median over all of them priced it at a single request's)."""
-    tokens = np.arange(1, 80)
-    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
-    budget.tree_worked(1.0, 1)  # the first tree step compiles its kernels
-    for _ in range(8):
-        budget.tree_worked(0.001, 1)
-    for _ in range(4):
-        budget.tree_worked(0.05, 16)
-    tree = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.3], np.float32))
-    assert budget.admit([tree], num_reqs=1)[0] is not None  # 1.3 tokens in 51 ms beats 1 in 50
-    assert all(t is None for t in budget.admit([tree] * 16, num_reqs=16))  # 20.8 in 100 ms does not beat 16 in 50
-    assert budget.draft_price(16) == pytest.approx(0.05) and budget.draft_price(1) == pytest.approx(0.001)
-    assert budget.report()["tree_work_ms_by_requests"] == {1: pytest.approx(1.0), 16: pytest.approx(50.0)}
-
-
 def test_host_time_is_the_cycle_less_the_forward_the_drafter_and_the_tree_work(monkeypatch):
-    """Each step costs its forward plus what the engine does around it: measured as the time between two forwards'
-    starts less the forward, the drafter's call and the verifier's tree work; the tree work is charged to steps
-    with drafts only."""
+    """Each step costs its forward plus what the engine does around it: a plain step's host time is the time
+    between two forwards' starts less the forward and the drafter's call; a step that verified drafts adds its
+    tree work, the verifier's own and whatever more its host time ran than a plain step's."""
     clock = Clock()
     monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", clock)
     tokens = np.arange(1, 40)
     budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
     for _ in range(5):
-        budget.step_started(4, 1)
+        budget.step_started(1, 1)
         clock.now += 0.05  # forward
         budget.step_finished()
-        budget.tree_worked(0.004)
         budget.drafted(1, 0.002)
-        clock.now += 0.004 + 0.002 + 0.010  # tree work, drafter, 10 ms of scheduler and sampler
+        clock.now += 0.002 + 0.010  # drafter, 10 ms of scheduler and sampler
+        budget.step_started(4, 1, drafts=3)
+        clock.now += 0.05
+        budget.step_finished()
+        budget.tree_worked(0.004)
+        clock.now += 0.004 + 0.011  # tree work, and 1 ms more of the rest than a plain step
     budget.step_started(1, 1)
     assert budget.host_seconds == pytest.approx(0.010)
-    assert budget.tree_work.seconds == pytest.approx(0.004)
+    assert budget.tree_work.seconds == pytest.approx(0.005)
     assert budget.drafter_cost.predict(1) == pytest.approx(0.002)
     assert budget.step_time.predict(1) == pytest.approx(0.05 + 0.010)
-    # the allocator sees the whole step: a node of path probability 0.1 pays when it adds 4 ms of tree work to a
+    # the allocator sees the whole step: a node of path probability 0.1 pays when it adds 5 ms of tree work to a
     # 60 ms step...
     cheap = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.1], np.float32))
     assert budget.admit([cheap])[0] is not None
@@ -195,6 +181,43 @@ def test_host_time_is_the_cycle_less_the_forward_the_drafter_and_the_tree_work(m
     clock.now += 300
     budget.step_started(1, 1)
     assert budget.host_seconds == pytest.approx(0.010)
+
+
+def test_tree_work_is_priced_by_the_requests_a_step_verifies_drafts_for(monkeypatch):
+    """What a step verifying drafts runs beyond a plain step grows with the requests it verifies (vLLM's sampler,
+    scheduler and input preparation on their draft rows, the verifier's work on their trees): learnt per
+    power-of-two bucket of them, a chain step without tree work included, so 16 requests' drafts pay only if they
+    beat 16 requests' price, though most steps so far verified one request's."""
+    clock = Clock()
+    monkeypatch.setattr("vllm_treespec.cost.budget.time.perf_counter", clock)
+    tokens = np.arange(1, 80)
+    budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
+
+    def step(reqs: int, drafts: int, host: float, tree: float | None = None) -> None:
+        budget.step_started(reqs + drafts, reqs, drafts=drafts, draft_reqs=min(reqs, drafts))
+        clock.now += 0.05
+        budget.step_finished()
+        if tree is not None:
+            budget.tree_worked(tree)
+            clock.now += tree
+        clock.now += host
+
+    for _ in range(4):
+        step(1, 0, 0.002)  # plain steps: 2 ms of host time
+    for _ in range(9):
+        step(1, 2, 0.003, tree=0.001)  # 1 ms of tree work, and 1 ms more of the rest
+    for _ in range(4):
+        step(16, 0, 0.002)
+    for _ in range(4):
+        step(16, 16, 0.012)  # chains (no tree work) that ran 10 ms more than a plain step
+    step(16, 0, 0.002)
+    assert budget.host_seconds == pytest.approx(0.002)
+    assert budget.tree_work.predict(1) == pytest.approx(0.002) and budget.tree_work.predict(16) == pytest.approx(0.01)
+    tree = DraftTree(np.array([7]), np.array([-1], np.int32), np.array([0.1], np.float32))
+    assert budget.admit([tree], num_reqs=1)[0] is not None  # 1.1 tokens in 54 ms beats 1 in 52
+    assert all(t is None for t in budget.admit([tree] * 16, num_reqs=16))  # 17.6 in 62 ms does not beat 16 in 52
+    assert budget.draft_price(16) == pytest.approx(0.01) and budget.draft_price(1) == pytest.approx(0.002)
+    assert budget.report()["tree_work_ms_by_requests"] == {1: pytest.approx(2.0), 16: pytest.approx(10.0)}
 
 
 def test_a_drafter_part_priced_elsewhere_is_not_host_time(monkeypatch):
@@ -363,7 +386,7 @@ def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
     tokens = np.arange(1, 40)
     budget = StepBudget(StepCostModel(PiecewiseLinear(tokens, np.full(tokens.shape, 0.05))), max_nodes=8)
     tree = DraftTree(np.array([7, 8]), np.array([-1, 0], np.int32), np.array([0.6, 0.6], np.float32))
-    budget.tree_worked(5.0)  # the first tree step compiled the kernels
+    budget.tree_work.add(5.0)  # the first tree step compiled the kernels
     budget.drafted(1, 3.0)  # and so did the drafter's first call
     assert budget.tree_work.seconds == 0.0 and budget.drafter_cost.predict(1) is None
     for _ in range(MIN_TIMED_CALLS - 1):
@@ -372,7 +395,7 @@ def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
     budget.drafted(1, 0.002)
     assert budget.drafter_cost.predict(1) == pytest.approx(0.002)
     for _ in range(3):
-        budget.tree_worked(0.2)  # load: tree work dearer than anything the tree can gain
+        budget.tree_work.add(0.2)  # load: tree work dearer than anything the tree can gain
     assert budget.should_draft(1) and budget.gate.probing  # no history yet: a probe
     assert budget.admit([tree])[0] is not None  # explored despite the price
     skipped = 0
@@ -382,7 +405,7 @@ def test_a_cost_measured_too_high_is_measured_again_by_the_gates_probes():
     assert skipped == 2 * budget.gate.probe_every and budget.gate.probing
     assert budget.admit([tree])[0] is not None
     for _ in range(4):
-        budget.tree_worked(0.001)  # measured again: cheap
+        budget.tree_work.add(0.001)  # measured again: cheap
     assert budget.should_draft(1) and not budget.gate.probing
     assert budget.admit([tree])[0] is not None
     assert budget.stats["probes"] == 2 and budget.stats["skipped_drafts"] == 2 * budget.gate.probe_every

@@ -5,12 +5,14 @@
     trees = budget.admit(trees, num_reqs)                     # after propose_trees: trees with node_probs are trimmed
     budget.verified(accepted)                                 # next step: what the target accepted of them
     budget.step_started(num_tokens, num_reqs) ... budget.step_finished()   # around the forward: online refinement
-    budget.tree_worked(seconds, num_reqs)                     # the verifier's own host work of a tree step
+    budget.tree_worked(seconds)                               # the verifier's own host work of a tree step
 
 What a step costs is the forward (the measured :class:`~vllm_treespec.cost.model.StepCostModel`, refined online from
-each CPU forward's time) plus the host time outside it — scheduler, sampler, output processing — measured online as
-the time between two forwards' starts less the forward, the drafter's call and the verifier's tree work. The tree
-work is charged only to steps that verify drafts; the drafter's call only when deciding whether to draft at all.
+each CPU forward's time) plus the host time outside it — scheduler, sampler, output processing — measured online on
+plain steps as the time between two forwards' starts less the forward and the drafter's call. A step that verifies
+drafts costs its tree work besides: the verifier's own work on its trees and whatever else its drafts add to the host
+time, learnt per power-of-two bucket of the requests it verified drafts for. The tree work is charged only to steps
+that verify drafts; the drafter's call only when deciding whether to draft at all.
 
 :func:`install_at_startup` runs from the worker's warm-up (:mod:`vllm_treespec.patches.cpu_worker`,
 :mod:`vllm_treespec.patches.gpu_worker`) unless the speculative config says ``"cost_budget": false``;
@@ -92,7 +94,10 @@ class StepBudget:
                  batch_cap: int | None = None, min_gain: float = 0.0) -> None:
         self.cost = cost  # the forward's model
         self.step_time = StepTime(cost)
-        self.tree_work = RequestsMedian()  # the verifier's host seconds per tree step, by the requests it verified
+        #: what a step verifying drafts costs beyond a plain step's host time, by the requests it verified drafts of:
+        #: the verifier's tree work and the rest of the host work its drafts add (vLLM's sampler, scheduler and input
+        #: preparation on the draft rows)
+        self.tree_work = RequestsMedian()
         self.drafter_cost = DrafterCost(drafter_cost)
         self.max_nodes = int(max_nodes)
         self.batch_cap = batch_cap
@@ -101,10 +106,12 @@ class StepBudget:
         self.last: Allocation | None = None
         self._step: tuple[int, int, float] | None = None
         self._drafts = 0  # draft tokens in the step whose forward started last
+        self._draft_reqs = 0  # and the requests they were drafted for
+        self._tree_seconds: float | None = None  # and the verifier's tree work on them (None: it had no trees)
         #: steps verifying drafts still to leave out of the model: the first compiles the tree path (step_finished)
         self._verifying_warmup = WARMUP_SAMPLES
-        #: (start, tokens, requests, forward seconds, draft tokens) of the last step
-        self._previous: tuple[float, int, int, float | None, int] | None = None
+        #: (start, tokens, requests, forward seconds, draft tokens, requests with drafts) of the last step
+        self._previous: tuple[float, int, int, float | None, int, int] | None = None
         self._plain_seen: dict[int, tuple[int, int]] = {}  # plain-step bucket -> (steps observed, last step index)
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
@@ -143,7 +150,7 @@ class StepBudget:
 
     @property
     def host_seconds(self) -> float:
-        """Measured host time per step outside the forward, the drafter and the tree work."""
+        """Measured host time of a plain step outside its forward and the drafter's call."""
         return self.step_time.host.seconds
 
     # --- per step ----------------------------------------------------------------------------------------------
@@ -253,24 +260,34 @@ class StepBudget:
         return allocation.trees
 
     def step_started(self, num_tokens: int, num_reqs: int, excess: float = 0.0, drafts: int = 0,
-                     request_excess: float | None = None) -> None:
+                     request_excess: float | None = None, draft_reqs: int | None = None) -> None:
         """A forward of ``num_tokens`` tokens from ``num_reqs`` requests (``excess``, ``request_excess``: its
-        context terms E and E_R; ``drafts``: its draft tokens) starts: the previous step's host time is what the time
-        since its start leaves after its forward, its drafter call and its tree work."""
+        context terms E and E_R; ``drafts``: its draft tokens, ``draft_reqs``: the requests they belong to, default
+        all) starts: the previous step's host time is what the time since its start leaves after its forward, its
+        drafter call and its tree work. A plain step's is the plain steps' host time; a step that verified drafts
+        adds what it ran beyond that to its tree work, the price of verifying drafts for as many requests: at 8-16
+        served requests its sampler, scheduler and input preparation ran ~1 ms a step above a plain step's beside
+        the verifier's tree work, unpriced while one host median covered both kinds of step."""
         now = time.perf_counter()
         if self._previous is not None:
-            started, tokens, reqs, forward, drafted = self._previous
+            started, tokens, reqs, forward, drafted, drafted_reqs = self._previous
             if forward is None:  # not timed (an asynchronous device): the model's prediction
                 forward = self.cost.predict(tokens, reqs, self._excess, plain_tokens=tokens - drafted,
                                             request_excess=self._request_excess)
             host = now - started - forward - self._cycle_other
             if host <= MAX_HOST_SECONDS:
-                self.step_time.host.add(max(host, 0.0))
+                if drafted or self._tree_seconds is not None:
+                    self.tree_work.add(max((self._tree_seconds or 0.0) + host - self.host_seconds, 0.0),
+                                       max(drafted_reqs, 1))
+                else:
+                    self.step_time.host.add(max(host, 0.0))
         self._cycle_other = 0.0
+        self._tree_seconds = None
         self._step = (int(num_tokens), int(num_reqs), now)
         self._excess = float(excess)
         self._request_excess = None if request_excess is None else float(request_excess)
         self._drafts = int(drafts)
+        self._draft_reqs = (int(num_reqs) if draft_reqs is None else int(draft_reqs)) if drafts else 0
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3, drafts=self._drafts)
@@ -282,7 +299,7 @@ class StepBudget:
                 self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess,
                                                                plain_tokens=int(num_tokens) - self._drafts,
                                                                request_excess=self._request_excess) * 1e3)
-        self._previous = ((now, int(num_tokens), int(num_reqs), None, self._drafts)
+        self._previous = ((now, int(num_tokens), int(num_reqs), None, self._drafts, self._draft_reqs)
                           if num_tokens > 0 and num_reqs > 0 else None)
 
     def step_finished(self) -> None:
@@ -303,7 +320,7 @@ class StepBudget:
             else:
                 self.cost.observe(num_tokens, num_reqs, seconds, self._excess, drafts=self._drafts,
                                   request_excess=self._request_excess)
-            self._previous = (started, num_tokens, num_reqs, seconds, self._drafts)
+            self._previous = (started, num_tokens, num_reqs, seconds, self._drafts, self._draft_reqs)
             self.stats["observed_steps"] += 1
             if not self._drafts:
                 bucket = self.cost.correction.bucket(num_tokens)
@@ -311,10 +328,11 @@ class StepBudget:
             if self.trace is not None:
                 self.trace.note(forward_ms=seconds * 1e3)
 
-    def tree_worked(self, seconds: float, num_reqs: int = 1) -> None:
-        """The verifier's host work of a step that verified the trees of ``num_reqs`` requests (attach, acceptance,
-        KV compaction): priced by the requests a drafting step drafts for."""
-        self.tree_work.add(seconds, num_reqs)
+    def tree_worked(self, seconds: float) -> None:
+        """The verifier's host work of a step that verified trees (attach, acceptance, KV compaction): with the
+        rest of what that step runs beyond a plain step, measured when the next step starts, the tree work's
+        sample (:meth:`step_started`)."""
+        self._tree_seconds = (self._tree_seconds or 0.0) + seconds
         if self.trace is not None:
             self.trace.note(tree_ms=seconds * 1e3)
         self._cycle_other += seconds

@@ -110,16 +110,17 @@ class CallCost:
 
 
 class RequestsMedian:
-    """Seconds of host work that grows with the requests it covers (the verifier's tree work: attaching, accepting
-    and compacting each request's tree): a running median of the last ``window`` samples per power-of-two bucket of
+    """Seconds of host work that grows with the requests it covers (what a step verifying drafts runs beyond a plain
+    step: the verifier's tree work, and vLLM's sampler, scheduler and input preparation on the draft rows): a running
+    median of the last ``window`` samples per power-of-two bucket of
     requests (:func:`log2_bucket`), interpolated in log2 between the buckets with ``min_samples`` samples; below the
     smallest, that bucket's; above the largest, a line through the two largest (work per request plus a fixed
     part), never below the largest's. Before any bucket has enough samples, the median of all of them, else
     ``default``. The first ``warmup`` samples are dropped (the first tree step compiles its kernels).
 
-    One median over every tree step priced a 16-request step's tree work at what the 1-4-request steps earlier in a
-    server's life had measured: ~0.7 ms where it took ~2.5 (bf16, 64 tree tokens), so a drafting step at 16
-    requests ran 8-25% dearer than the gate had priced it."""
+    Served in bf16 (2026-12-07), the steps that verified drafts ran beyond their priced host time and tree work by
+    ~0.1 ms a step at one request, ~0.4 at 4 and ~0.9-1.0 at 8 and 16: one median over every step priced them all
+    alike."""
 
     def __init__(self, window: int = HOST_WINDOW, default: float = 0.0, warmup: int = WARMUP_SAMPLES,
                  min_samples: int = MIN_TIMED_CALLS) -> None:

@@ -279,8 +279,10 @@ class TreeVerifier:
                 reference = self.budget.cost.reference_context
                 excess = context_excess(num_scheduled_tokens, seq_lens, reference)
                 request_excess = context_excess(1, seq_lens, reference)  # each sequence read once
-            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
-            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess, drafts, request_excess)
+            scheduled = scheduler_output.scheduled_spec_decode_tokens.values()
+            drafts, draft_reqs = sum(len(d) for d in scheduled), sum(bool(d) for d in scheduled)
+            self.budget.step_started(int(np.sum(num_scheduled_tokens)), num_reqs, excess, drafts, request_excess,
+                                     draft_reqs)
         if self._tracks_acceptance():
             self.acceptance.scheduled(scheduler_output.scheduled_spec_decode_tokens)
         pending, self.pending = self.pending, {}
@@ -376,7 +378,7 @@ class TreeVerifier:
                                                            topk))
             self._tree_seconds += time.perf_counter() - started
         if self.budget is not None:
-            self.budget.tree_worked(self._tree_seconds, batch.num_reqs)
+            self.budget.tree_worked(self._tree_seconds)
         return output
 
     # --- KV compaction --------------------------------------------------------------------------------------------
