@@ -123,6 +123,20 @@ def test_forward_times_refine_the_model(monkeypatch):
     assert verifier.budget.cost.predict(3, 3) == pytest.approx(0.2, rel=0.05)
 
 
+def test_the_verifier_tells_the_budget_how_many_requests_a_step_verifies_drafts_for(monkeypatch):
+    """A step's drafts and the requests they belong to reach the budget when its forward starts, so that what the
+    step runs beyond a plain step is learnt for as many requests as it verified drafts for (2 of 3 here)."""
+    verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {"a": SCORED})
+    started = []
+    original = verifier.budget.step_started
+    monkeypatch.setattr(verifier.budget, "step_started",
+                        lambda *args, **kw: started.append(args) or original(*args, **kw))
+    scheduler_output, num_scheduled = schedule(verifier.runner, {"a": [10, 11], "b": [20]})
+    verifier.attach(scheduler_output, num_scheduled)
+    num_tokens, num_reqs, _, drafts, _, draft_reqs = started[-1]
+    assert (num_reqs, drafts, draft_reqs) == (3, 3, 2) and num_tokens == int(np.sum(num_scheduled))
+
+
 def test_install_budget_and_report_over_collective_rpc(monkeypatch):
     verifier = verifier_with(lambda t: np.full(t.shape, 0.05), {})
     budget = verifier.budget
