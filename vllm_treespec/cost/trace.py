@@ -20,8 +20,9 @@ appends one JSON line per engine step (``.<pid>`` is added to the name, so sever
     useful_nodes  the cap on a tree's size the proposer was asked to respect (``ProposeContext.useful_nodes``), when
                there was one
     drafter_ms the proposer's call with the pricing of its trees, when it drafted, less head_ms
-    tree_ms    the verifier's host work of a step that verified trees (attach, acceptance, KV compaction), which the
-               budget prices by the requests a step drafts for (:class:`~vllm_treespec.cost.online.RequestsMedian`)
+    tree_ms    the verifier's host work of a step that verified trees (attach, acceptance, KV compaction); with what
+               else the step ran beyond a plain step's host time, the budget's tree work, priced by the requests a
+               step drafts for (:class:`~vllm_treespec.cost.online.RequestsMedian`)
     head_ms    the part of that call a proposer's own gate priced (graft's head, ``ProposeContext.self_gated_seconds``),
                when there was one
     excess     the step's context term E (rows times their sequence lengths beyond the sweep's context), when the
