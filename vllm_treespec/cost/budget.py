@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -74,6 +74,16 @@ class StepTime:
         return np.asarray(seq_lens, np.float64) - self.forward.reference_context
 
 
+class StepRecord(NamedTuple):
+    """The step whose forward started last, for its host time when the next one starts."""
+    started: float
+    tokens: int
+    reqs: int
+    forward: float | None  # its measured seconds (None: not timed, on an asynchronous device)
+    drafts: int  # draft tokens it verified
+    draft_reqs: int  # the requests they were drafted for
+
+
 class DrafterCost:
     """The drafter's seconds per call: timed online (:class:`CallCost`), else a start-up probe's curve, else None
     (not measured yet)."""
@@ -106,12 +116,10 @@ class StepBudget:
         self.last: Allocation | None = None
         self._step: tuple[int, int, float] | None = None
         self._drafts = 0  # draft tokens in the step whose forward started last
-        self._draft_reqs = 0  # and the requests they were drafted for
         self._tree_seconds: float | None = None  # and the verifier's tree work on them (None: it had no trees)
         #: steps verifying drafts still to leave out of the model: the first compiles the tree path (step_finished)
         self._verifying_warmup = WARMUP_SAMPLES
-        #: (start, tokens, requests, forward seconds, draft tokens, requests with drafts) of the last step
-        self._previous: tuple[float, int, int, float | None, int, int] | None = None
+        self._previous: StepRecord | None = None
         self._plain_seen: dict[int, tuple[int, int]] = {}  # plain-step bucket -> (steps observed, last step index)
         self._cycle_other = 0.0  # drafter and tree-work seconds since the last forward started
         self._excess = 0.0  # the context term of the step whose forward started last
@@ -287,7 +295,6 @@ class StepBudget:
         self._excess = float(excess)
         self._request_excess = None if request_excess is None else float(request_excess)
         self._drafts = int(drafts)
-        self._draft_reqs = (int(num_reqs) if draft_reqs is None else int(draft_reqs)) if drafts else 0
         if self.trace is not None:
             self.trace.step(int(num_reqs), int(num_tokens))
             self.trace.note(host_ms=self.host_seconds * 1e3, drafts=self._drafts)
@@ -299,8 +306,11 @@ class StepBudget:
                 self.trace.note(predicted_ms=self.cost.predict(int(num_tokens), int(num_reqs), self._excess,
                                                                plain_tokens=int(num_tokens) - self._drafts,
                                                                request_excess=self._request_excess) * 1e3)
-        self._previous = ((now, int(num_tokens), int(num_reqs), None, self._drafts, self._draft_reqs)
-                          if num_tokens > 0 and num_reqs > 0 else None)
+        if num_tokens > 0 and num_reqs > 0:
+            draft_reqs = (int(num_reqs) if draft_reqs is None else int(draft_reqs)) if drafts else 0
+            self._previous = StepRecord(now, int(num_tokens), int(num_reqs), None, self._drafts, draft_reqs)
+        else:
+            self._previous = None
 
     def step_finished(self) -> None:
         """Fold the forward's time since :meth:`step_started` into the model (the caller synchronises the device)."""
@@ -320,7 +330,7 @@ class StepBudget:
             else:
                 self.cost.observe(num_tokens, num_reqs, seconds, self._excess, drafts=self._drafts,
                                   request_excess=self._request_excess)
-            self._previous = (started, num_tokens, num_reqs, seconds, self._drafts, self._draft_reqs)
+            self._previous = self._previous._replace(forward=seconds)  # the record step_started made
             self.stats["observed_steps"] += 1
             if not self._drafts:
                 bucket = self.cost.correction.bucket(num_tokens)
