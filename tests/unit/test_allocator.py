@@ -414,6 +414,28 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
     assert plain == pytest.approx(2 / 0.066)
 
 
+def test_a_gate_that_forgets_drafts_next_and_learns_the_new_trees_alone():
+    """forget() (a batch of new requests): the wait for the next probe and what the old trees were worth go; the next
+    decision drafts (a probe, as with no history), the trees it records are the gate's whole knowledge, and what
+    drafting saved at that load and the probes' allowance stay."""
+    gate = DraftGate(STEEP, probe_every=3, probe_share=1.0)
+    gate.record([star([0.2, 0.1])])
+    while gate.interval < 12:  # probes that did not pay: the wait doubles
+        gate.should_draft(1)
+    gate.surplus_by_load[gate._load] = 0.004
+    assert not gate.should_draft(1)
+    allowance = gate.allowance
+    gate.forget()
+    assert gate.gains is None and gate.interval == 3 and gate.skipped == 0
+    assert gate.surplus == 0.004 and gate.allowance == allowance
+    assert gate.should_draft(1) and gate.probing
+    good = [star([0.99, 0.98, 0.97])]
+    gate.record(good)
+    learnt = DraftGate(STEEP)
+    learnt.record(good)
+    np.testing.assert_array_equal(gate.gains, learnt.gains)  # nothing of the old trees' worth is left in them
+
+
 def test_a_drafter_cheaper_than_its_share_of_a_step_drafts_every_step():
     """A drafter whose measured call costs at most ``free_share`` of a plain step is called on every step, even where
     its recent trees did not pay (the allocation admits none of their nodes then, so the step runs plain); a dearer

@@ -446,6 +446,19 @@ class DraftGate:
             self._prefix = (key, k, num_reqs + num_reqs * np.interp(k / num_reqs, grid, per_request))
         return self._prefix[1], self._prefix[2]
 
+    def forget(self) -> None:
+        """A batch of new requests: forget what the trees of the requests before them were worth (and the wait for
+        the next probe), so that the next decision drafts and learns these requests' trees, as an engine's first
+        step does. Their text says little of a new prompt's: at one request a gate that had stopped drafting near
+        the end of one prompt kept skipping the next prompts' steps until its next probe, 16-128 steps away (fp32,
+        served: 5 of 16 requests of one round began so and their steps were skipped for 371 of its 912 steps,
+        where the same prompts drafted on every step in the next round). What drafting saved at a load
+        (:attr:`surplus`) and the probes' allowance are kept: they price drafting at that load, not the text."""
+        self.gains = None
+        self.skipped = 0
+        self.interval = self.probe_every
+        self._after_probe = False
+
     @property
     def surplus(self) -> float:
         """What drafting saved per drafted step lately, at the load of the last decision (0 where never learnt)."""

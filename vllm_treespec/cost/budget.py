@@ -126,7 +126,7 @@ class StepBudget:
         self._request_excess: float | None = None  # and its E_R (None: not known)
         self.stats = {"allocations": 0, "proposed_nodes": 0, "admitted_nodes": 0, "skipped_drafts": 0,
                       "probes": 0, "observed_steps": 0, "plain_samples": 0, "glance_steps": 0, "glance_trees": 0,
-                      "glance_nodes": 0}
+                      "glance_nodes": 0, "new_batches": 0}
         self.trace = BudgetTrace.from_env()
 
     @classmethod
@@ -194,6 +194,12 @@ class StepBudget:
                             surplus_ms=self.gate.surplus * 1e3,
                             **({"catch_up_ms": extra_seconds * 1e3} if extra_seconds else {}))
         return draft
+
+    def new_requests(self) -> None:
+        """The step's requests are all new: the gate forgets what earlier requests' trees were worth
+        (:meth:`DraftGate.forget`)."""
+        self.gate.forget()
+        self.stats["new_batches"] += 1
 
     def verified(self, accepted: int | None) -> None:
         """The drafts the last step accepted (None: it verified none): the gate learns what its allocation saved."""

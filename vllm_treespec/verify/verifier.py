@@ -83,6 +83,7 @@ class TreeVerifier:
         #: of each of the last allocations of drafted trees: (the deepest admitted node, the most nodes one request's
         #: tree was admitted); (0, 0): none admitted
         self._admitted: collections.deque[tuple[int, int]] = collections.deque(maxlen=ADMITTED_WINDOW)
+        self._requests: set[str] = set()  # the last step's requests (_follow_requests)
         self.never_draft = os.environ.get(NEVER_DRAFT_ENV) == "1"
         if self.never_draft:
             logger.warning("vllm_treespec: %s=1: this engine never drafts (its proposer only observes each step)",
@@ -132,6 +133,8 @@ class TreeVerifier:
                     taught = {"learned": stats["learned_nodes"] - learned,
                               "unverified": stats["unverified_nodes"] - unverified}
                     trace.note(**{field: nodes for field, nodes in taught.items() if nodes})
+        if self.budget is not None:
+            self._follow_requests(req_ids)
         ctx = ProposeContext(req_ids=req_ids, sampled_token_ids=sampled_token_ids,
                              num_tokens=input_batch.num_tokens_no_spec, token_ids=input_batch.token_ids_cpu,
                              max_nodes=self.max_nodes, num_prompt_tokens=input_batch.num_prompt_tokens,
@@ -200,6 +203,14 @@ class TreeVerifier:
             if ctx.self_gated_seconds and self.budget.trace is not None:
                 self.budget.trace.plan(head_ms=ctx.self_gated_seconds * 1e3)
         return drafts
+
+    def _follow_requests(self, req_ids: list[str]) -> None:
+        """A step whose requests are all new (at one request: every new prompt) starts the budget's gate afresh and
+        offers their trees in full: what the requests before them drafted says little of their text."""
+        if self._requests.isdisjoint(req_ids):
+            self.budget.new_requests()
+            self._admitted.clear()
+        self._requests = set(req_ids)
 
     def _hand_over_nothing(self, num_reqs: int, tracking: bool, factor: float) -> list[list[int]]:
         """What pricing and handing over a step's trees does when it has none, without walking them: a plain step
