@@ -35,6 +35,14 @@ hindsight is what those classes cannot tell apart.
         --cost ~/.cache/vllm_treespec/cost_models/X.json [--overhead-ms 3]
     python scripts/replay_matches.py --outputs /tmp/ref.jsonl --policies --datastore corpus.tsds
 
+``--successor-agreement`` (with ``--cost``, on outputs saved with the target's top 8 at each position: ``--save``
+since this option) asks whether agreement between graft's matched sources and its successor table tells the nodes the
+target accepts from those it rejects, beyond the calibration's classes: the suffix and n-gram trees merged with the
+successor table's (learnt as graft learns it, from committed bigrams and the target's top 8 after each committed
+token), each node priced by **cross-fitted** class rates (counted on the other half of the outputs) keyed as the
+calibration keys them, then with the node's agreement added to the key (proposed by a matched source and by the
+successor table), then with the successor table's rank of the node's token after its parent's.
+
 ``--datastore F`` has graft's suffix source match a corpus datastore too, as graft's option ``"datastore"`` does
 (vLLM's ``ngram`` never sees it).
 """
@@ -51,6 +59,8 @@ from vllm_treespec.proposers.graft.options import GraftOptions
 from vllm_treespec.proposers.graft.sources import FALLBACK_VOCAB_SIZE, MATCH_CLASSES, RetrievalSources, match_class
 
 BUDGET = 32
+#: the target's most likely tokens saved per output position (graft's successor table keeps as many: successor_k)
+TOP_K = 8
 #: prompts longer than this are left out (they would not fit the engine's context with the output)
 MAX_PROMPT_TOKENS = 1800
 
@@ -72,12 +82,19 @@ def generate(prompts: str, max_tokens: int, model: str | None) -> list[dict]:
     texts = [t for t in texts if len(tokenizer(t)["input_ids"]) <= MAX_PROMPT_TOKENS]
     llm = LLM(model=model, dtype="float32", max_model_len=MAX_PROMPT_TOKENS + max_tokens + 8, max_num_seqs=16,
               enforce_eager=True)
-    # logprobs=0: the chosen token's log-probability (greedy: the target's top-1), read by --target-confidence
-    results = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0), use_tqdm=False)
-    return [{"prompt": list(r.prompt_token_ids), "output": list(r.outputs[0].token_ids),
-             "output_logprobs": [float(step[t].logprob) for t, step in zip(r.outputs[0].token_ids,
-                                                                            r.outputs[0].logprobs)]}
-            for r in results]
+    # the target's top TOP_K at each position: the chosen token's log-probability (greedy: the top-1) is read by
+    # --target-confidence, the rest by --successor-agreement
+    results = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOP_K),
+                           use_tqdm=False)
+    records = []
+    for r in results:
+        out = r.outputs[0]
+        tops = [sorted(step.items(), key=lambda kv: -kv[1].logprob)[:TOP_K] for step in out.logprobs]
+        records.append({"prompt": list(r.prompt_token_ids), "output": list(out.token_ids),
+                        "output_logprobs": [float(step[t].logprob) for t, step in zip(out.token_ids, out.logprobs)],
+                        "output_top": [[[int(t) for t, _ in top], [float(lp.logprob) for _, lp in top]]
+                                       for top in tops]})
+    return records
 
 
 #: upper edges of the classes of the target's probability of the last committed token (--target-confidence);
@@ -354,6 +371,129 @@ def replay_priced(records: list[dict], cost, by_match_length: bool = False, over
     return tokens_total / steps, nodes_total / steps, drafting / steps, tokens_total / seconds
 
 
+def _successor_steps(records: list[dict]) -> list[list[dict | None]]:
+    """Per output position: the suffix, n-gram and successor trees continuing the context, merged as graft merges
+    them, with each node's class (source and match-length class, depth class, raw-confidence bin), whether a matched
+    source and the successor table both proposed it, the successor table's rank of its token after its parent's
+    (TOP_K: absent), and what the target accepted of it. The successor table learns as graft's does: seeded from the
+    committed bigrams, and the target's top TOP_K after every committed token (graft learns them from verified rows)."""
+    from vllm_treespec.api import DraftTree
+    from vllm_treespec.retrieval import union_trees
+    from vllm_treespec.verify.calibration import AcceptanceCalibration, depth_class
+
+    matched_classes, source_id = _acceptance_sources(by_match_length=True)
+    successor_class = len(matched_classes)  # the successor table's nodes: one class (graft calibrates it as one)
+    sources = graft_sources(("suffix", "ngram", "successor"))
+    cache = []
+    for key, record in enumerate(records):
+        prompt, output, tops = record["prompt"], record["output"], record["output_top"]
+        start = len(prompt)
+        tokens = np.asarray(prompt + output, np.int64)
+        steps, learned = [], 0
+        for i in range(len(output)):
+            context = tokens[: start + i]
+            sources.observe(key, context)
+            if i > learned:  # the target's top TOP_K at positions learned .. i - 1, each after the token before it
+                ids = np.zeros((i - learned, TOP_K), np.int64)
+                probs = np.zeros((i - learned, TOP_K), np.float32)
+                for row, j in enumerate(range(learned, i)):
+                    top_ids, top_logprobs = tops[j]
+                    ids[row, : len(top_ids)] = top_ids
+                    probs[row, : len(top_ids)] = np.exp(top_logprobs)
+                sources.learn(tokens[start + learned - 1: start + i - 1], ids, probs)
+                learned = i
+            parts = [(n, t) for n, t in sources.at_root(key, context, BUDGET, start).items() if t.num_nodes]
+            if not parts:
+                steps.append(None)
+                continue
+            union = union_trees([(t.token_ids, t.parents, t.probs) for _, t in parts], [-1] * len(parts))
+            raw = np.concatenate([np.asarray(t.probs, np.float64) for _, t in parts])[union.origin]
+            classes = np.concatenate([np.full(t.num_nodes, successor_class if n == "successor"
+                                              else source_id(n, t.match_len)) for n, t in parts])[union.origin]
+            proposed_by = np.zeros((union.token_ids.size, 2), bool)  # a matched source, the successor table
+            offset = 0
+            for name, t in parts:
+                proposed_by[union.node_of[offset: offset + t.num_nodes], int(name == "successor")] = True
+                offset += t.num_nodes
+            parent_tokens = np.where(union.parents < 0, context[-1], union.token_ids[np.maximum(union.parents, 0)])
+            rank = np.full(union.token_ids.size, TOP_K)
+            for j, (parent, token) in enumerate(zip(parent_tokens.tolist(), union.token_ids.tolist())):
+                hit = np.flatnonzero(sources.successors.row(parent)[0] == token)
+                rank[j] = int(hit[0]) if hit.size else TOP_K
+            tree = DraftTree(union.token_ids, union.parents, raw.astype(np.float32))
+            accepted, reached, depth = walk(tree, output[i:])
+            base = list(zip(classes.tolist(), depth_class(depth).tolist(), AcceptanceCalibration.bins(raw).tolist()))
+            both = (proposed_by[:, 0] & proposed_by[:, 1]).tolist()
+            rank_class = np.minimum(rank, 2).tolist()  # top-1, top-2, further or absent
+            steps.append({"tree": tree, "accepted": accepted, "reached": reached, "held": int(accepted.sum()),
+                          "keys": {"classes": base, "agreement": [k + (b,) for k, b in zip(base, both)],
+                                   "rank": [k + (r,) for k, r in zip(base, rank_class)]}})
+        sources.release({key})
+        cache.append(steps)
+    return cache
+
+
+def _class_rates(cache: list[list[dict | None]], keep: set[int], variant: str) -> dict[tuple, float]:
+    """Laplace-smoothed acceptance of the reached nodes of the records ``keep``, by ``variant``'s keys."""
+    counts: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for key, steps in enumerate(cache):
+        if key not in keep:
+            continue
+        for step in steps:
+            if step is None:
+                continue
+            keys = step["keys"][variant]
+            for j in np.flatnonzero(step["reached"]).tolist():
+                counts[keys[j]][0] += int(step["accepted"][j])
+                counts[keys[j]][1] += 1
+    return {cell: (a + 1.0) / (n + 2.0) for cell, (a, n) in counts.items()}
+
+
+def _replay_rates(records: list[dict], cache: list[list[dict | None]], cost, rates_of, variant: str | None
+                  ) -> tuple[float, float, float, float]:
+    """Decode every output verifying, at each step, the budget's cut of the merged trees priced by ``rates_of(record)``
+    keyed by ``variant`` (None: hindsight, only the nodes the target accepts). As replay_policies returns."""
+    from vllm_treespec.api import DraftTree
+    from vllm_treespec.cost.allocate import allocate
+
+    tokens = steps_total = nodes = drafting = 0
+    seconds = 0.0
+    for key, (record, steps) in enumerate(zip(records, cache)):
+        output, i = record["output"], 0
+        while i < len(output):
+            step, accepted, k = steps[i], 0, 0
+            if step is not None and variant is None:
+                accepted = k = step["held"]
+            elif step is not None:
+                table = rates_of(key)
+                probs = np.array([table.get(cell, 0.0) for cell in step["keys"][variant]], np.float32)
+                final = allocate([DraftTree(step["tree"].token_ids, step["tree"].parents, probs)], cost,
+                                 per_request_cap=BUDGET).trees[0]
+                if final is not None and final.num_nodes:
+                    k, accepted = final.num_nodes, int(walk(final, output[i:])[0].sum())
+            tokens += accepted + 1
+            steps_total += 1
+            nodes += k
+            drafting += k > 0
+            seconds += cost.predict(1 + k, 1)
+            i += accepted + 1
+    return tokens / steps_total, nodes / steps_total, drafting / steps_total, tokens / seconds
+
+
+def successor_agreement(records: list[dict], cost) -> dict[str, tuple[float, ...]]:
+    """``--successor-agreement``: the budget over the merged suffix, n-gram and successor trees at cross-fitted
+    class rates, keyed as the calibration keys nodes, then with agreement, then with the successor rank; hindsight."""
+    cache = _successor_steps(records)
+    halves = [set(range(0, len(records), 2)), set(range(1, len(records), 2))]
+    results = {}
+    for label, variant in (("classes, cross-fitted", "classes"), ("+ agreement, cross-fitted", "agreement"),
+                           ("+ successor rank, cross-fitted", "rank")):
+        tables = [_class_rates(cache, half, variant) for half in halves]
+        results[label] = _replay_rates(records, cache, cost, lambda key: tables[1 - key % 2], variant)
+    results["hindsight, with the successor tree"] = _replay_rates(records, cache, cost, None, None)
+    return results
+
+
 def report_policies(results: dict[str, tuple[float, ...]]) -> str:
     priced = all(len(r) == 4 for r in results.values())
     baseline = results.get("vLLM ngram, k=5")
@@ -436,6 +576,10 @@ def main() -> None:
                         help="with --cost: also price nodes by cross-fitted class rates (fitted on the other half "
                              "of the outputs) with and without the class of the target's probability of the last "
                              "committed token (outputs saved with it: --save since this option)")
+    parser.add_argument("--successor-agreement", action="store_true",
+                        help="with --cost: also price the merged suffix, n-gram and successor trees by cross-fitted "
+                             "class rates with and without the nodes' agreement with the successor table (outputs "
+                             "saved with the target's top 8: --save since this option)")
     args = parser.parse_args()
     if args.outputs:
         with open(args.outputs) as f:
@@ -472,6 +616,8 @@ def main() -> None:
                     results[label] = replay_priced(records, cost, True, args.overhead_ms / 1e3, breakdowns[label],
                                                    rates_of=lambda key: tables[1 - key % 2], by_target=by_target,
                                                    corpus=corpus)
+            if args.successor_agreement:
+                results.update(successor_agreement(records, cost))
         print(report_policies(results))
         if args.cost:
             print(report_breakdowns(breakdowns))

@@ -416,8 +416,8 @@ def test_draft_gate_runs_the_drafter_only_when_it_pays():
 
 def test_a_gate_that_forgets_drafts_next_and_learns_the_new_trees_alone():
     """forget() (a batch of new requests): the wait for the next probe and what the old trees were worth go; the next
-    decision drafts (a probe, as with no history), the trees it records are the gate's whole knowledge, and what
-    drafting saved at that load and the probes' allowance stay."""
+    decisions draft (not probes: their trees are priced as any) until trees are recorded, which are then the gate's
+    whole knowledge; what drafting saved at that load and the probes' allowance stay."""
     gate = DraftGate(STEEP, probe_every=3, probe_share=1.0)
     gate.record([star([0.2, 0.1])])
     while gate.interval < 12:  # probes that did not pay: the wait doubles
@@ -428,7 +428,9 @@ def test_a_gate_that_forgets_drafts_next_and_learns_the_new_trees_alone():
     gate.forget()
     assert gate.gains is None and gate.interval == 3 and gate.skipped == 0
     assert gate.surplus == 0.004 and gate.allowance == allowance
-    assert gate.should_draft(1) and gate.probing
+    assert gate.should_draft(1) and not gate.probing
+    gate.record([None])  # no trees: nothing learnt, it drafts again
+    assert gate.should_draft(1) and not gate.probing and gate.allowance == allowance
     good = [star([0.99, 0.98, 0.97])]
     gate.record(good)
     learnt = DraftGate(STEEP)

@@ -333,23 +333,26 @@ def rename_requests(runner, names: list[str]) -> None:
 
 def test_a_batch_of_new_requests_starts_the_gate_afresh():
     """The gate stopped drafting for requests whose trees did not pay; a step whose requests are all new drafts
-    again (a probe: what it learnt of the old text says little of the new), and its trees are offered in full.
-    A step that keeps one of the old requests keeps the gate as it was."""
+    again (what it learnt of the old text says little of the new: not a probe, its trees are priced as any), and
+    its trees are offered in full. A step that keeps one of the old requests keeps the gate as it was."""
     steep = np.arange(1, 40)
     verifier = verifier_with(lambda t: 0.05 * t, {"a": SCORED, "x": SCORED, "p": SCORED})
     verifier.budget = StepBudget(StepCostModel(PiecewiseLinear(steep, 0.05 * steep)), max_nodes=8)
     for _ in range(4):
         verifier.propose([[9], [3], [6]])
     calls, skipped = len(verifier.proposer.contexts), verifier.budget.stats["skipped_drafts"]
-    assert calls == 1 and skipped == 3 and verifier.budget.stats["new_batches"] == 1  # the engine's first step
+    assert calls == 1 and skipped == 3 and verifier.budget.stats["new_batches"] == 0  # the first step probed
     rename_requests(verifier.runner, ["a", "x", "z"])  # one old request stays: the gate carries on
     verifier.propose([[9], [3], [6]])
     assert len(verifier.proposer.contexts) == calls and verifier.budget.stats["skipped_drafts"] == skipped + 1
     verifier._admitted.append((1, 1))  # a small tree admitted lately: the proposer would be offered less
     rename_requests(verifier.runner, ["p", "q", "r"])  # all new (at one request: every new prompt)
     verifier.propose([[9], [3], [6]])
-    assert len(verifier.proposer.contexts) == calls + 1 and verifier.proposer.contexts[-1].probing
-    assert verifier.budget.stats["new_batches"] == 2 and (1, 1) not in verifier._admitted
+    assert len(verifier.proposer.contexts) == calls + 1 and not verifier.proposer.contexts[-1].probing
+    assert verifier.proposer.contexts[-1].useful_nodes is None  # the (1, 1) admitted before is forgotten
+    assert verifier.budget.stats["new_batches"] == 1 and verifier.budget.stats["probes"] == 1
+    verifier.propose([[9], [3], [6]])  # its trees do not pay either: skipped again
+    assert len(verifier.proposer.contexts) == calls + 1
 
 
 def test_a_step_without_trees_leaves_nothing_of_the_last_ones_handed_over():

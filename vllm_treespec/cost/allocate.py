@@ -404,6 +404,7 @@ class DraftGate:
         self.skipped = 0
         self.probing = False  # the last should_draft was a probe: its trees are explored, not priced
         self._after_probe = False  # no decision since the last probe
+        self._forgotten = False  # forget() ran since the gains were last learnt: no history, but no probe either
         self.last_rates: tuple[float, float] | None = None  # (best with drafting, plain) of the last priced decision
         #: the prediction skipped steps re-use: ((cost model, requests, max nodes, base tokens), decisions it served,
         #: (expected tokens, predicted seconds) by drafts admitted)
@@ -448,16 +449,18 @@ class DraftGate:
 
     def forget(self) -> None:
         """A batch of new requests: forget what the trees of the requests before them were worth (and the wait for
-        the next probe), so that the next decision drafts and learns these requests' trees, as an engine's first
-        step does. Their text says little of a new prompt's: at one request a gate that had stopped drafting near
-        the end of one prompt kept skipping the next prompts' steps until its next probe, 16-128 steps away (fp32,
-        served: 5 of 16 requests of one round began so and their steps were skipped for 371 of its 912 steps,
-        where the same prompts drafted on every step in the next round). What drafting saved at a load
+        the next probe), so that the next decision drafts and learns these requests' trees. Their text says little
+        of a new prompt's: at one request a gate that had stopped drafting near the end of one prompt kept skipping
+        the next prompts' steps until its next probe, 16-128 steps away (fp32, served: 5 of 16 requests of one round
+        began so, and 371 of its 912 steps were skipped, where the same prompts drafted on every step in the next
+        round). That decision is a draft, not a probe: its trees are priced as any (an engine's first step probes,
+        and a probe has graft's head draft, catching up on the whole prompt). What drafting saved at a load
         (:attr:`surplus`) and the probes' allowance are kept: they price drafting at that load, not the text."""
         self.gains = None
         self.skipped = 0
         self.interval = self.probe_every
         self._after_probe = False
+        self._forgotten = True
 
     @property
     def surplus(self) -> float:
@@ -485,6 +488,7 @@ class DraftGate:
         gain = np.concatenate([[0.0], np.cumsum(merged)]) / num_requests
         grid = np.arange(-(-merged.size // num_requests) * GAIN_RESOLUTION + 1) / GAIN_RESOLUTION
         current = np.diff(np.interp(grid, nodes, gain)) * GAIN_RESOLUTION
+        self._forgotten = False
         if self.gains is None:
             self.gains = current
             return
@@ -564,7 +568,10 @@ class DraftGate:
         if num_reqs <= 0:
             return False
         self._load = load_bucket(num_reqs)
-        if self.gains is None:  # nothing known yet: draft, and learn
+        if self.gains is None:  # nothing known yet: draft, and learn (a probe, but after forget())
+            if self._forgotten:
+                self._priced = None
+                return True
             return self._probe(None)
         measured = self._measured_call(num_reqs)
         drafter = (measured or 0.0) + extra_seconds  # a drafter not timed yet counts as free: it drafts, is timed

@@ -206,8 +206,9 @@ class TreeVerifier:
 
     def _follow_requests(self, req_ids: list[str]) -> None:
         """A step whose requests are all new (at one request: every new prompt) starts the budget's gate afresh and
-        offers their trees in full: what the requests before them drafted says little of their text."""
-        if self._requests.isdisjoint(req_ids):
+        offers their trees in full: what the requests before them drafted says little of their text. (The engine's
+        first step has no requests before it: its gate knows nothing yet, and probes.)"""
+        if self._requests and self._requests.isdisjoint(req_ids):
             self.budget.new_requests()
             self._admitted.clear()
         self._requests = set(req_ids)
