@@ -569,8 +569,7 @@ class DraftGate:
             return False
         self._load = load_bucket(num_reqs)
         if self.gains is None:  # nothing known yet: draft, and learn (a probe, but after forget())
-            if self._forgotten:
-                self._priced = None
+            if self._forgotten:  # (no prediction to drop: the gains setter dropped it)
                 return True
             return self._probe(None)
         measured = self._measured_call(num_reqs)
